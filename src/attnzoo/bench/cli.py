@@ -1,0 +1,81 @@
+"""Dispatcher for `attnzoo-bench`: discovers subcommand modules in this package."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_SKIP = {"cli", "common", "__main__"}
+
+
+def subcommands() -> dict:
+    pkg = importlib.import_module("attnzoo.bench")
+    mods = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name not in _SKIP and not info.name.startswith("_"):
+            mods[info.name] = importlib.import_module(f"attnzoo.bench.{info.name}")
+    return mods
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_result(name: str, result: dict, out: Path, argv: list[str]) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    result = {**result, "command": "attnzoo-bench " + " ".join(argv), "environment": environment()}
+    js, md = out / f"{name}.json", out / f"{name}.md"
+    js.write_text(json.dumps(result, indent=2, default=str))
+    text = [f"## {result.get('title', name)}", "", f"`{result['command']}`", ""]
+    text.append(markdown_table(result["columns"], result["rows"]))
+    for note in result.get("notes", []):
+        text += ["", note]
+    md.write_text("\n".join(text) + "\n")
+    return js, md
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    mods = subcommands()
+    parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON + markdown")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, mod in sorted(mods.items()):
+        p = sub.add_parser(name, help=getattr(mod, "HELP", ""))
+        mod.add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = mods[args.cmd].run(args)
+    js, md = write_result(args.cmd, result, args.out, argv)
+    print(md.read_text())
+    print(f"wrote {js} and {md}")

@@ -1,0 +1,349 @@
+"""Structured-config schemas and cross-field validation.
+
+Hydra composes plain yaml from `conf/`; `validate()` then merges every section into its dataclass schema
+(`OmegaConf.structured`), which rejects unknown keys and wrong types, and runs the cross-field checks.
+Mixer, FFN and data sections are polymorphic (tagged by `name`): their schema is the dataclass that the
+named class registered. Every failure is a `ConfigError` whose message is one line naming the field and
+what is allowed; `attnzoo-train` prints it and exits with status 2 before any work is done.
+The schemas are also stored in Hydra's ConfigStore (group `schema`) so `--info` style tooling can list them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. `str(err)` is one line: `field: what is wrong; allowed: ...`."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        text = f"{field}: {message}" if field and not message.startswith(field) else message
+        super().__init__(" ".join(text.split()))
+
+
+def check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(message, field=field)
+
+
+def check_choice(value: Any, field: str, allowed: List[str] | tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"got {value!r}; allowed: {', '.join(map(str, allowed))}", field=field)
+
+
+# ----------------------------------------------------------------------------- model parts
+
+
+@dataclass
+class PositionConfig:
+    name: str = "rope"  # rope | sinusoidal | learned | none
+    theta: float = 10000.0  # RoPE base
+    rotary_fraction: float = 1.0  # partial rotary: fraction of each head's dims that rotate
+
+
+@dataclass
+class NormConfig:
+    name: str = "rmsnorm"  # rmsnorm | layernorm
+    eps: float = 1e-6
+
+
+@dataclass
+class ModelConfig:
+    name: str = "decoder"
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2  # GQA groups; mha forces n_heads, mqa forces 1
+    head_dim: Optional[int] = None  # default d_model // n_heads
+    vocab_size: Optional[int] = None  # filled from the tokenizer / task
+    max_seq_len: int = 2048  # learned positions table size; longest prompt+generation
+    norm_position: str = "pre"  # pre (modern) | post (original Transformer)
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    mixer: Any = None  # {name: gqa, ...}: the default mixer of every layer
+    ffn: Any = None  # {name: swiglu, ...}
+    position: PositionConfig = field(default_factory=PositionConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    # Hybrids: a list (or comma string) of mixer names tiled over the layers, e.g. [gdn, gdn, gdn, attn].
+    # A name is a key of `mixers` (a named mixer config) or a registered mixer name (its defaults, or
+    # `mixer` itself when the names match).
+    pattern: Any = None
+    mixers: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"  # cosine | noam | constant
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of optim.lr
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: Any = "auto"
+    max_steps: int = 1000
+    precision: str = "32-true"
+    gradient_clip_val: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1
+    val_check_interval: Any = 200
+    check_val_every_n_epoch: Optional[int] = None
+    limit_val_batches: Any = 1.0
+    log_every_n_steps: int = 10
+    num_sanity_val_steps: int = 0
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+    benchmark: Optional[bool] = None
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "def "
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: Optional[int] = 40
+    top_p: Optional[float] = None
+
+
+@dataclass
+class PerfConfig:
+    peak_flops: Optional[float] = None  # override the measured / table peak (FLOP/s, dense)
+    measure_decode: bool = True  # end-of-run prefill + decode measurement (cache/bytes_at_ctx, decode tok/s)
+    decode_tokens: int = 32
+
+
+@dataclass
+class PathsConfig:
+    output_dir: str = "outputs"
+    cache_dir: str = "~/.cache/attnzoo"
+
+
+@dataclass
+class TrainConfig:
+    task_name: str = "train"
+    seed: int = 1337
+    ckpt_path: Optional[str] = None  # a .ckpt path, or `last` (this run dir's checkpoints/last.ckpt)
+    compile: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    logger: Any = None
+    callbacks: Any = None
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+def _store_schemas() -> None:
+    try:
+        from hydra.core.config_store import ConfigStore
+    except ImportError:  # pragma: no cover
+        return
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="train", node=TrainConfig)
+    cs.store(group="schema", name="model", node=ModelConfig)
+
+
+_store_schemas()
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def _merge(schema: type, node: Any, prefix: str) -> Any:
+    """Merge a plain config node into a dataclass schema; return the typed dataclass instance."""
+    if node is None:
+        node = {}
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, dict):
+        raise ConfigError(f"expected a mapping, got {type(node).__name__}", field=prefix)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        msg = str(e).splitlines()[0]
+        where = f"{prefix}.{key}" if key else prefix
+        if "not in" in msg or "Key '" in msg:
+            allowed = ", ".join(f.name for f in _fields(schema))
+            raise ConfigError(f"unknown key; allowed keys: {allowed}", field=where) from None
+        raise ConfigError(msg, field=where) from None
+
+
+def _fields(schema: type):
+    import dataclasses
+
+    return dataclasses.fields(schema)
+
+
+def tagged(registry, node: Any, prefix: str, default_name: str | None = None) -> Any:
+    """Typed config for a polymorphic section tagged by `name` (mixer, ffn, data)."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    if node is None:
+        node = {}
+    if isinstance(node, str):
+        node = {"name": node}
+    if not isinstance(node, dict):
+        raise ConfigError(f"expected a mapping with a 'name', got {type(node).__name__}", field=prefix)
+    name = node.get("name", default_name)
+    if name not in registry.names():
+        raise ConfigError(f"unknown {registry.kind} {name!r}; allowed: {', '.join(registry.names())}", field=f"{prefix}.name")
+    entry = registry.get(name)
+    node = {**node, "name": name}
+    return _merge(entry.config_cls, node, prefix)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
+    """Validate a model section and return the typed `ModelConfig` (mixer/ffn typed too, `layers` resolved)."""
+    from .registry import FFNS, MIXERS
+
+    if isinstance(node, ModelConfig):
+        return node
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    node = dict(node or {})
+    raw_mixer, raw_ffn, raw_mixers = node.pop("mixer", None), node.pop("ffn", None), node.pop("mixers", None) or {}
+    cfg: ModelConfig = _merge(ModelConfig, node, "model")
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
+    cfg.mixer = tagged(MIXERS, raw_mixer, "model.mixer", default_name="gqa")
+    cfg.ffn = tagged(FFNS, raw_ffn, "model.ffn", default_name="swiglu")
+    if not isinstance(raw_mixers, dict):
+        raise ConfigError("expected a mapping of name -> mixer config", field="model.mixers")
+    cfg.mixers = {k: tagged(MIXERS, v, f"model.mixers.{k}") for k, v in raw_mixers.items()}
+
+    check(cfg.d_model > 0, "model.d_model", f"must be positive, got {cfg.d_model}")
+    check(cfg.n_layers > 0, "model.n_layers", f"must be positive, got {cfg.n_layers}")
+    check(cfg.n_heads > 0, "model.n_heads", f"must be positive, got {cfg.n_heads}")
+    if cfg.head_dim is None:
+        check(
+            cfg.d_model % cfg.n_heads == 0,
+            "model.d_model",
+            f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}; allowed: a multiple of n_heads "
+            f"(or set model.head_dim)",
+        )
+    check(cfg.n_kv_heads > 0, "model.n_kv_heads", f"must be positive, got {cfg.n_kv_heads}")
+    divisors = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+    check(
+        cfg.n_heads % cfg.n_kv_heads == 0,
+        "model.n_kv_heads",
+        f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}; allowed: {', '.join(map(str, divisors))}",
+    )
+    check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
+    check_choice(cfg.position.name, "model.position.name", ("rope", "sinusoidal", "learned", "none"))
+    check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
+    check_choice(cfg.norm.name, "model.norm.name", ("rmsnorm", "layernorm"))
+    check(0.0 <= cfg.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {cfg.dropout}")
+    if cfg.vocab_size is not None:
+        check(cfg.vocab_size > 0, "model.vocab_size", "must be positive")
+    for i, mc in enumerate(layer_mixer_configs(cfg)):
+        if hasattr(mc, "validate"):
+            mc.validate(cfg, field=f"model.layers[{i}].mixer")
+    if hasattr(cfg.ffn, "validate"):
+        cfg.ffn.validate(cfg, field="model.ffn")
+    return cfg
+
+
+def parse_pattern(pattern: Any) -> list[str] | None:
+    if pattern is None:
+        return None
+    if isinstance(pattern, str):
+        items = [p.strip() for p in pattern.replace(";", ",").split(",") if p.strip()]
+    elif isinstance(pattern, (list, tuple, ListConfig)):
+        items = [str(p).strip() for p in pattern]
+    else:
+        raise ConfigError(f"expected a list or comma string of mixer names, got {type(pattern).__name__}", field="model.pattern")
+    if not items:
+        raise ConfigError("is empty; give at least one mixer name", field="model.pattern")
+    return items
+
+
+def layer_mixer_configs(cfg: ModelConfig) -> list[Any]:
+    """The mixer config of each layer: `cfg.mixer` everywhere, or the tiled `cfg.pattern`."""
+    from .registry import MIXERS
+
+    items = parse_pattern(cfg.pattern)
+    if items is None:
+        return [cfg.mixer] * cfg.n_layers
+    if cfg.n_layers % len(items) != 0:
+        raise ConfigError(
+            f"length {len(items)} does not divide n_layers={cfg.n_layers}; allowed: a pattern whose length divides n_layers",
+            field="model.pattern",
+        )
+    resolved = {}
+    for name in items:
+        if name in resolved:
+            continue
+        if name in cfg.mixers:
+            resolved[name] = cfg.mixers[name]
+        elif cfg.mixer is not None and getattr(cfg.mixer, "name", None) == name:
+            resolved[name] = cfg.mixer
+        elif name in MIXERS.names():
+            resolved[name] = tagged(MIXERS, {"name": name}, f"model.pattern[{name}]")
+        else:
+            allowed = sorted(set(cfg.mixers) | set(MIXERS.names()))
+            raise ConfigError(f"unknown mixer {name!r}; allowed: {', '.join(allowed)}", field="model.pattern")
+    return [resolved[items[i % len(items)]] for i in range(cfg.n_layers)]
+
+
+# ----------------------------------------------------------------------------- whole run
+
+
+def validate(cfg: DictConfig) -> dict:
+    """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
+    from .data import DATAMODULES
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    model_node = container.pop("model", None)
+    data_node = container.pop("data", None)
+    logger_node = container.pop("logger", None)
+    callbacks_node = container.pop("callbacks", None)
+    run: TrainConfig = _merge(TrainConfig, container, "cfg")
+    model = resolve_model(model_node)
+    data = tagged(DATAMODULES, data_node, "data", default_name="text")
+    if hasattr(data, "validate"):
+        data.validate(model, field="data")
+    check_choice(run.optim.name, "optim.name", ("adamw",))
+    check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
+    check_choice(run.scheduler.name, "scheduler.name", ("cosine", "noam", "constant"))
+    check(run.trainer.max_steps > 0, "trainer.max_steps", "must be positive")
+    check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
+    check_choice(
+        run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+    )
+    check_choice(run.trainer.accelerator, "trainer.accelerator", ("cpu", "gpu", "cuda", "auto", "mps"))
+    if model.position.name == "learned":
+        check(
+            data.seq_len <= model.max_seq_len,
+            "data.seq_len",
+            f"{data.seq_len} exceeds model.max_seq_len={model.max_seq_len} (the learned position table)",
+        )
+    if logger_node is not None and not isinstance(logger_node, dict):
+        raise ConfigError("expected a mapping", field="logger")
+    for name in (logger_node or {}):
+        check_choice(name, f"logger.{name}", ("csv", "tensorboard", "wandb"))
+    return {"run": run, "model": model, "data": data, "logger": logger_node or {}, "callbacks": callbacks_node or {}}

@@ -1,0 +1,117 @@
+"""Softmax attention with grouped KV heads: MHA (n_kv_heads = n_heads), GQA, MQA (n_kv_heads = 1).
+
+One implementation for the whole family (Shazeer 2019 MQA; Ainslie et al. 2023 GQA):
+
+    MHA  q: h h h h   GQA  q: h h h h   MQA  q: h h h h
+         kv:h h h h        kv: g   g         kv:   g
+
+Fused QKV projection, RoPE on q/k when the model's position is `rope`, SDPA for training/prefill,
+a KV cache for decoding. `impl = "reference"` runs the explicit softmax of ops/attention.py instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..cache import KVCache
+from ..config import ConfigError
+from ..ops.attention import attention_mask, attention_reference, attention_sdpa
+from ..position import RotaryEmbedding
+from ..registry import register_mixer
+from .base import Mixer, causal_attended, dtype_bytes
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "gqa"
+    n_kv_heads: Optional[int] = None  # overrides model.n_kv_heads for this mixer (mha/mqa force theirs)
+    qkv_bias: bool = False
+    out_bias: bool = False
+    softmax_scale: Optional[float] = None  # default head_dim ** -0.5
+    causal: bool = True
+
+    def kv_heads(self, model) -> int:
+        if self.name == "mha":
+            return model.n_heads
+        if self.name == "mqa":
+            return 1
+        return self.n_kv_heads or model.n_kv_heads
+
+    def validate(self, model, field: str) -> None:
+        kv = self.kv_heads(model)
+        if kv <= 0 or model.n_heads % kv != 0:
+            allowed = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]
+            raise ConfigError(
+                f"n_heads={model.n_heads} is not divisible by n_kv_heads={kv}; allowed: {', '.join(map(str, allowed))}",
+                field=f"{field}.n_kv_heads",
+            )
+
+
+class Attention(Mixer):
+    window: Optional[int] = None  # sliding-window subclasses set this
+
+    def __init__(self, cfg: AttentionConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        self.n_heads = model_cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads(model_cfg)
+        self.head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.n_heads
+        self.scale = cfg.softmax_scale
+        self.causal = cfg.causal
+        self.dropout = model_cfg.dropout
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(self.d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # fused [q | k | v]
+        self.o_proj = nn.Linear(q_dim, self.d_model, bias=cfg.out_bias)
+        pos = model_cfg.position
+        self.rope = RotaryEmbedding(self.head_dim, pos.theta, pos.rotary_fraction) if pos.name == "rope" else None
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
+        )
+        # split d_model into (heads, head_dim) first, then move heads forward: each head keeps its own slice
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.rope is not None:
+            cs = self.rope.cos_sin(positions, q.dtype)
+            q, k = self.rope(q, positions, cs), self.rope(k, positions, cs)
+        return q, k, v
+
+    def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
+        """q (B,H,Tq,D) at absolute offset `q_offset` relative to the first key in k/v."""
+        if self.impl == "reference":
+            mask = attention_mask(
+                q.shape[2], k.shape[2], causal=self.causal, window=self.window, device=q.device, q_offset=q_offset
+            )
+            return attention_reference(q, k, v, mask=mask, scale=self.scale)
+        return attention_sdpa(
+            q, k, v, causal=self.causal, window=self.window, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, positions)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        y = self.attend(q, k, v, q_offset=k.shape[2] - T)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache()
+
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * context_len * batch * dtype_bytes(dtype)
+
+    def flops_per_token(self, context_len: int) -> float:
+        proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features)
+        keys = causal_attended(context_len, self.window) if self.causal else float(context_len)
+        return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV
+
+
+for _name in ("mha", "gqa", "mqa"):
+    register_mixer(_name, AttentionConfig)(Attention)

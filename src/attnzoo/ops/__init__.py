@@ -1,0 +1,1 @@
+"""Pure-PyTorch kernels, each beside its slow, obviously-correct reference form."""
