@@ -30,15 +30,21 @@ class Block(nn.Module):
         self.norm2 = build_norm(cfg.norm, cfg.d_model) if self.has_ffn else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        # FFNs that route tokens (MoE) take the real-token mask so balancing ignores padding
+        self.ffn_takes_mask = getattr(self.ffn, "takes_token_mask", False)
+
+    def _ffn(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.ffn(x, token_mask=token_mask) if self.ffn_takes_mask else self.ffn(x)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, token_mask=None) -> torch.Tensor:
         if self.pre:
             h = h + self.drop(self.mixer(self.norm1(h), positions=positions, cache=cache))
             if self.has_ffn:
-                h = h + self.drop(self.ffn(self.norm2(h)))
+                h = h + self.drop(self._ffn(self.norm2(h), token_mask))
         else:
             h = self.norm1(h + self.drop(self.mixer(h, positions=positions, cache=cache)))
             if self.has_ffn:
-                h = self.norm2(h + self.drop(self.ffn(h)))
+                h = self.norm2(h + self.drop(self._ffn(h, token_mask)))
         return h
 
 
@@ -79,25 +85,56 @@ class DecoderLM(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None, cache: Optional[ModelCache] = None):
+    def hidden_states(
+        self,
+        idx: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        cache: Optional[ModelCache] = None,
+        token_mask: Optional[torch.Tensor] = None,
+    ):
         B, T = idx.shape
         if positions is None:
             start = cache.seq_len if cache is not None else 0
             positions = torch.arange(start, start + T, device=idx.device)
         h = self.drop(self.position(self.embed(idx), positions))
         for i, block in enumerate(self.blocks):
-            h = block(h, positions, None if cache is None else cache[i])
+            h = block(h, positions, None if cache is None else cache[i], token_mask)
         if cache is not None:
             cache.seq_len += T
         return self.norm(h)
 
-    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None, cache: Optional[ModelCache] = None):
-        return self.lm_head(self.hidden_states(idx, positions, cache))
+    def forward(
+        self,
+        idx: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        cache: Optional[ModelCache] = None,
+        token_mask: Optional[torch.Tensor] = None,
+    ):
+        """token_mask (B, T) bool: real (non-padding) tokens, passed to FFNs that route (MoE balancing)."""
+        return self.lm_head(self.hidden_states(idx, positions, cache, token_mask))
 
+    # ------------------------------------------------------------------ hooks for stateful parts (MoE)
     def aux_loss(self) -> Optional[torch.Tensor]:
-        """Sum of the auxiliary losses (MoE balancing) that FFNs/mixers left from the last forward."""
-        terms = [m.aux_loss for m in self.modules() if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+        """Sum of the auxiliary losses (MoE balancing) that submodules left from the last forward
+        as a tensor attribute `aux_loss`; the LightningModule adds it to the training loss."""
+        terms = [m.aux_loss for m in self.modules() if m is not self and isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
         return torch.stack(terms).sum() if terms else None
+
+    def stats(self) -> dict:
+        """Metrics from submodules defining `stats() -> {name: tensor}` (e.g. moe/load_max_over_mean),
+        averaged over layers under the same name; the LightningModule logs them."""
+        acc: dict = {}
+        for m in self.modules():
+            if m is not self and hasattr(m, "stats") and callable(m.stats):
+                for k, v in m.stats().items():
+                    acc.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32))
+        return {k: torch.stack(v).mean() for k, v in acc.items()}
+
+    def after_optimizer_step(self) -> None:
+        """Called by the LightningModule after each optimizer step (e.g. aux-loss-free bias updates)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "after_optimizer_step"):
+                m.after_optimizer_step()
 
     # ------------------------------------------------------------------ caches and accounting
     @property
