@@ -63,3 +63,87 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers if c is not None)
+
+
+class SlidingWindowCache(LayerCache):
+    """Keys/values of the last `window` tokens only: k, v of shape (B, n_kv_heads, min(seen, W), head_dim).
+
+    A ring buffer: the token at absolute position p lives in slot p % W. It grows by concatenation until it
+    holds W tokens and is then overwritten in place, so decoding far past W keeps memory flat at W tokens.
+    Keys are stored after RoPE, so a slot's position never needs to be known again.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.seen = 0  # tokens processed so far (the next absolute position)
+
+    @property
+    def seq_len(self) -> int:
+        return self.seen
+
+    @property
+    def full(self) -> bool:
+        return self.k is not None and self.k.shape[2] == self.window
+
+    def ordered(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Held keys/values oldest first (a copy once the ring has wrapped)."""
+        if not self.full or self.seen % self.window == 0:
+            return self.k, self.v
+        shift = -(self.seen % self.window)  # the oldest held token sits in slot seen % W
+        return self.k.roll(shift, dims=2), self.v.roll(shift, dims=2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new (B, Hkv, t, D) keys/values. Returns the keys/values to attend over:
+
+        - one token into a full ring: the ring itself after the write (slot order, not time order: every
+          held key is inside the new query's window, and softmax does not care about key order);
+        - otherwise: the held tokens oldest first, then the new ones (the caller applies the band mask).
+        """
+        W, T = self.window, k.shape[2]
+        if T == 1 and self.full:
+            slot = self.seen % W
+            self.k[:, :, slot] = k[:, :, 0]
+            self.v[:, :, slot] = v[:, :, 0]
+            self.seen += 1
+            return self.k, self.v
+        old_k, old_v = self.ordered()
+        k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
+        v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
+        self.seen += T
+        # keep the last W tokens in slot order; roll/clone copy, so the ring never pins a larger tensor
+        # (e.g. the fused qkv projection the new keys are views of)
+        shift = self.seen % W if k_all.shape[2] >= W else 0
+        self.k = k_all[:, :, -W:].roll(shift, dims=2)
+        self.v = v_all[:, :, -W:].roll(shift, dims=2)
+        return k_all, v_all
+
+
+class LatentCache(LayerCache):
+    """MLA's cache (DeepSeek-V2): per token only the normed KV latent and the shared RoPE key.
+
+    One tensor `latent` of shape (B, T, kv_lora_rank + qk_rope_head_dim), laid out [c_kv | k_rope], so the
+    absorbed decode attends over it without a per-step concatenation. Never the expanded per-head K/V.
+    """
+
+    def __init__(self, kv_lora_rank: int) -> None:
+        self.kv_lora_rank = kv_lora_rank
+        self.latent: Optional[torch.Tensor] = None
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    @property
+    def c_kv(self) -> torch.Tensor:
+        return self.latent[..., : self.kv_lora_rank]
+
+    @property
+    def k_rope(self) -> torch.Tensor:
+        return self.latent[..., self.kv_lora_rank :]
+
+    def update(self, latent: torch.Tensor) -> torch.Tensor:
+        """Append new (B, t, kv_lora_rank + qk_rope_head_dim) entries; return all of them so far."""
+        self.latent = latent.contiguous() if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        return self.latent

@@ -140,6 +140,7 @@ class TrainConfig:
     seed: int = 1337
     ckpt_path: Optional[str] = None  # a .ckpt path, or `last` (this run dir's checkpoints/last.ckpt)
     compile: bool = False
+    optimized_metric: str = "val/loss"  # what main() returns to a Hydra sweeper
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -182,7 +183,7 @@ def _merge(schema: type, node: Any, prefix: str) -> Any:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         msg = str(e).splitlines()[0]
-        where = f"{prefix}.{key}" if key else prefix
+        where = (f"{prefix}.{key}" if prefix else key) if key else (prefix or "config")
         if "not in" in msg or "Key '" in msg:
             allowed = ", ".join(f.name for f in _fields(schema))
             raise ConfigError(f"unknown key; allowed keys: {allowed}", field=where) from None
@@ -221,6 +222,8 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     from .registry import FFNS, MIXERS
 
     if isinstance(node, ModelConfig):
+        if vocab_size is not None:
+            node.vocab_size = vocab_size
         return node
     if isinstance(node, (DictConfig, ListConfig)):
         node = OmegaConf.to_container(node, resolve=True)
@@ -322,7 +325,7 @@ def validate(cfg: DictConfig) -> dict:
     data_node = container.pop("data", None)
     logger_node = container.pop("logger", None)
     callbacks_node = container.pop("callbacks", None)
-    run: TrainConfig = _merge(TrainConfig, container, "cfg")
+    run: TrainConfig = _merge(TrainConfig, container, "")
     model = resolve_model(model_node)
     data = tagged(DATAMODULES, data_node, "data", default_name="text")
     if hasattr(data, "validate"):

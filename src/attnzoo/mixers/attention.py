@@ -1,4 +1,5 @@
-"""Softmax attention with grouped KV heads: MHA (n_kv_heads = n_heads), GQA, MQA (n_kv_heads = 1).
+"""Softmax attention with grouped KV heads: MHA (n_kv_heads = n_heads), GQA, MQA (n_kv_heads = 1),
+and the sliding-window variant of the same class.
 
 One implementation for the whole family (Shazeer 2019 MQA; Ainslie et al. 2023 GQA):
 
@@ -7,6 +8,9 @@ One implementation for the whole family (Shazeer 2019 MQA; Ainslie et al. 2023 G
 
 Fused QKV projection, RoPE on q/k when the model's position is `rope`, SDPA for training/prefill,
 a KV cache for decoding. `impl = "reference"` runs the explicit softmax of ops/attention.py instead.
+
+`sliding_window` (Beltagy et al. 2020 Longformer; Jiang et al. 2023 Mistral) is a thin subclass: the same
+projections and RoPE, a band mask (query t sees keys t-W+1..t) and a ring-buffer cache of W tokens.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..cache import KVCache
+from ..cache import KVCache, SlidingWindowCache
 from ..config import ConfigError
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
+from ..ops.sliding_window import sliding_window_sdpa
 from ..position import RotaryEmbedding
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes
@@ -115,3 +120,41 @@ class Attention(Mixer):
 
 for _name in ("mha", "gqa", "mqa"):
     register_mixer(_name, AttentionConfig)(Attention)
+
+
+@dataclass
+class SlidingWindowConfig(AttentionConfig):
+    name: str = "sliding_window"
+    window: int = 128  # W: query t sees keys t-W+1 .. t (W keys including itself); Mistral 7B uses 4096
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        if self.window < 1:
+            raise ConfigError(f"must be >= 1, got {self.window}", field=f"{field}.window")
+        if not self.causal:
+            raise ConfigError("sliding_window is causal only; allowed: true", field=f"{field}.causal")
+
+
+@register_mixer("sliding_window", SlidingWindowConfig)
+class SlidingWindowAttention(Attention):
+    """GQA restricted to the last W keys. Prefill: band-masked SDPA in query blocks (O(T * W));
+    decode: a `SlidingWindowCache` ring buffer that never holds more than W tokens."""
+
+    def __init__(self, cfg: SlidingWindowConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        self.window = cfg.window
+
+    def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
+        if self.impl == "reference":
+            return super().attend(q, k, v, q_offset)
+        dropout_p = self.dropout if self.training else 0.0
+        if q.shape[2] == 1 and k.shape[2] <= self.window:
+            # one query over at most W held keys (the ring, in slot order): all are in its window, no mask
+            return attention_sdpa(q, k, v, causal=False, scale=self.scale, dropout_p=dropout_p)
+        return sliding_window_sdpa(q, k, v, window=self.window, scale=self.scale, dropout_p=dropout_p)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> SlidingWindowCache:
+        return SlidingWindowCache(self.window)
+
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        return super().cache_bytes(min(context_len, self.window), batch, dtype)

@@ -1,0 +1,95 @@
+"""Callbacks: throughput / MFU / memory metrics logged during training."""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import lightning as L
+import torch
+
+from .flops import peak_flops, precision_dtype, train_flops_per_token
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class ThroughputMonitor(L.Callback):
+    """Logs perf/tokens_per_sec (all ranks), perf/step_ms, perf/flops_per_token, perf/mfu, mem/peak_bytes.
+
+    Timed over windows of `window` optimizer steps of wall-clock time between batch ends (data loading
+    and logging included, validation excluded); tokens are counted per micro-batch, so gradient
+    accumulation does not inflate the rate. No host sync is added to the step.
+    """
+
+    def __init__(self, context_len: int, precision: str, peak_override: float | None = None, window: int = 10):
+        self.context_len = context_len
+        self.precision = precision
+        self.peak_override = peak_override
+        self.window = window
+        self.peak = None
+        self.peak_source = ""
+        self.flops_per_token = 0.0
+        self.last: dict = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._t0 = None  # start of the current timed stretch (None while paused)
+        self._elapsed = 0.0  # seconds of training in this window before the current stretch
+        self._tokens = 0
+        self._steps = 0
+
+    def _pause(self) -> None:
+        if self._t0 is not None:
+            self._elapsed += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        model = pl_module.model
+        self.flops_per_token = train_flops_per_token(model, self.context_len)
+        self.peak, self.peak_source = peak_flops(pl_module.device, precision_dtype(self.precision), self.peak_override)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._tokens += batch[0].numel()
+        self._steps += 1
+        if self._steps >= self.window * trainer.accumulate_grad_batches:
+            pl_module.log_dict(self._measure(trainer, pl_module), on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # runs shorter than one window (smoke runs) still report their throughput
+        if self._steps > 0 and not self.last:
+            metrics = self._measure(trainer, pl_module)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _measure(self, trainer, pl_module) -> dict:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._pause()
+        dt = self._elapsed
+        world = trainer.world_size
+        tps = self._tokens * world / dt
+        opt_steps = self._steps / trainer.accumulate_grad_batches
+        self.last = {
+            "perf/tokens_per_sec": tps,
+            "perf/step_ms": 1000.0 * dt / opt_steps,
+            "perf/flops_per_token": self.flops_per_token,
+            "perf/mfu": tps * self.flops_per_token / (self.peak * world),
+            "mem/peak_bytes": float(peak_memory_bytes(pl_module.device)),
+        }
+        self._reset()
+        return self.last
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._pause()  # validation and checkpoint time is not training throughput
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._pause()

@@ -1,0 +1,53 @@
+"""Text corpora: the embedded default (this Python's own standard-library sources) or a user file/folder."""
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from pathlib import Path
+from typing import Optional
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tex", ".html", ".c", ".h")
+
+
+def stdlib_files() -> list[Path]:
+    """Top-level `.py` files of the running interpreter's standard library, sorted by name.
+
+    Present on every machine with Python and no download needed; the exact text depends on the
+    Python version, so runs record the corpus hash (`data/corpus_sha`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())
+
+
+def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str]:
+    """Return (text, source description). `path` None = embedded stdlib corpus; else a file or a folder
+    (every text file under it, sorted). Raises FileNotFoundError with one clear line."""
+    if path is None:
+        files, source = stdlib_files(), "python-stdlib"
+    else:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(f"data.path: {path} does not exist; allowed: a text file or a folder of text files")
+        if p.is_file():
+            files = [p]
+        else:
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+            if not files:
+                raise FileNotFoundError(f"data.path: {path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        source = str(p)
+    parts, total = [], 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if max_chars is not None and total >= max_chars:
+            break
+    text = "\n\n".join(parts)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise ValueError(f"data.path: {source} is empty")
+    return text, source
+
+
+def text_sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="replace")).hexdigest()[:16]

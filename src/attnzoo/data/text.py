@@ -1,0 +1,105 @@
+"""`data=text`: language modelling on the embedded corpus (or a user file/folder)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..config import ConfigError, check, check_choice
+from . import register_data
+from .corpus import load_corpus, text_sha
+from .tokenizer import encode_corpus, get_tokenizer
+
+
+@dataclass
+class TextDataConfig:
+    name: str = "text"
+    path: Optional[str] = None  # null: the embedded corpus (this Python's stdlib sources); or a file / folder
+    max_chars: Optional[int] = 2_000_000  # cap on corpus characters read
+    tokenizer: str = "bpe"  # bpe | char
+    vocab_size: int = 2048  # BPE vocabulary (char: set by the corpus)
+    seq_len: int = 256
+    batch_size: int = 16
+    val_fraction: float = 0.05  # the last fraction of the token stream
+    num_workers: int = 0
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.tokenizer, f"{field}.tokenizer", ("bpe", "char"))
+        check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
+        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
+        check(0.0 < self.val_fraction < 0.5, f"{field}.val_fraction", "must be in (0, 0.5)")
+        check(self.vocab_size >= 260, f"{field}.vocab_size", "must be >= 260 (256 bytes + specials) for bpe")
+
+
+class Blocks(Dataset):
+    """Contiguous, non-overlapping blocks of seq_len + 1 tokens: x = block[:-1], y = block[1:]."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int):
+        self.ids, self.seq_len = ids, seq_len
+        self.n = (len(ids) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        s = i * self.seq_len
+        block = self.ids[s : s + self.seq_len + 1].long()
+        return block[:-1], block[1:]
+
+
+@register_data("text", TextDataConfig)
+class TextDataModule(L.LightningDataModule):
+    def __init__(self, cfg: TextDataConfig, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
+        super().__init__()
+        self.cfg, self.cache_dir, self.seed = cfg, cache_dir, seed
+        self.tokenizer = None
+        self.info: dict = {}
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.tokenizer is not None:
+            return
+        cfg = self.cfg
+        text, source = load_corpus(cfg.path, cfg.max_chars)
+        sha = text_sha(text)
+        self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
+        key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
+        ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
+        n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)
+        if len(ids) - n_val < 2 * (cfg.seq_len + 1):
+            raise ConfigError(
+                f"corpus has {len(ids)} tokens, too few for seq_len={cfg.seq_len}; allowed: a longer text or a smaller seq_len",
+                field="data.seq_len",
+            )
+        self.train_ids, self.val_ids = ids[:-n_val], ids[-n_val:]
+        self.train_set, self.val_set = Blocks(self.train_ids, cfg.seq_len), Blocks(self.val_ids, cfg.seq_len)
+        self.info = {
+            "source": source,
+            "corpus_sha": sha,
+            "chars": len(text),
+            "tokens": int(len(ids)),
+            "train_tokens": int(len(self.train_ids)),
+            "val_tokens": int(len(self.val_ids)),
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_set, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True, generator=g,
+            num_workers=self.cfg.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False, num_workers=self.cfg.num_workers)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids)

@@ -1,0 +1,76 @@
+"""FLOPs accounting and the hardware peak for MFU (DESIGN.md section 5).
+
+Model FLOPs are analytic (a multiply-add = 2 FLOPs): each mixer's and FFN's `flops_per_token(context)`,
+plus the LM head `2 * d_model * vocab`. Training = 3x forward (backward = 2x forward).
+MFU = achieved model FLOP/s / peak FLOP/s, where the peak is a dense matmul measured in-process on CPU,
+or a table of dense (not 2:4-sparse) datasheet figures on GPU; `perf.peak_flops` overrides both.
+"""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import torch
+
+# Dense tensor-core peaks (FLOP/s) from vendor datasheets, without 2:4 sparsity. fp32 = tf32 tensor cores
+# where the framework uses them (torch's default matmul precision is "highest" = no tf32, so fp32 entries
+# are the non-tensor-core FP32 rate).
+GPU_PEAKS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+@lru_cache(maxsize=None)
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024, seconds: float = 0.4) -> float:
+    """Best FLOP/s of an n x n x n matmul in `dtype` on `device`, over ~`seconds` of repeats."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync()
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device."""
+    if override:
+        return float(override), "perf.peak_flops"
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAKS.items():
+            if key in name:
+                return table[_dtype_key(dtype)], f"datasheet:{key}"
+        return measure_matmul_peak(dtype, str(device), n=4096), "measured-matmul"
+    return measure_matmul_peak(dtype, "cpu"), "measured-matmul"
+
+
+def train_flops_per_token(model, context_len: int) -> float:
+    """Forward + backward model FLOPs per token: 3x the forward count."""
+    return 3.0 * model.flops_per_token(context_len)

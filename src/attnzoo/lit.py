@@ -1,0 +1,144 @@
+"""LightningModule for language modelling: loss, metrics, optimizer groups, LR schedules."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from .config import OptimConfig, SchedulerConfig, resolve_model
+from .model import DecoderLM
+
+
+def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
+    """Multiplier on optim.lr at optimizer step `s` (0-based).
+
+    cosine:   linear warmup to 1 over warmup_steps, then cosine decay to min_lr_ratio at max_steps.
+    noam:     d_model^-0.5 * min(s^-0.5, s * warmup^-1.5) (Vaswani et al. 2017), rescaled so the peak
+              (at s = warmup) is 1: then optim.lr is the peak learning rate.
+    constant: warmup then 1.
+    """
+    w = max(1, sched.warmup_steps)
+
+    def cosine(s: int) -> float:
+        if s < w:
+            return (s + 1) / w
+        progress = min(1.0, (s - w) / max(1, max_steps - w))
+        return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def noam(s: int) -> float:
+        step = s + 1
+        return min(step**-0.5, step * w**-1.5) / (w**-0.5)
+
+    def constant(s: int) -> float:
+        return min(1.0, (s + 1) / w)
+
+    return {"cosine": cosine, "noam": noam, "constant": constant}[sched.name]
+
+
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The paper's formula, lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (1-based)."""
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices of Linear layers only; none on norms, biases and embeddings."""
+    decay, no_decay, seen = [], [], set()
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.dim() >= 2 and id(p) not in emb_ids:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LitLM(L.LightningModule):
+    """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
+
+    `cfg` is the whole resolved run config (a plain dict, saved as hyper-parameters so a checkpoint
+    rebuilds its model); `vocab_size` comes from the data module.
+    """
+
+    def __init__(self, cfg: dict, vocab_size: int):
+        super().__init__()
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
+        self.model = DecoderLM(resolve_model(cfg["model"]), vocab_size=vocab_size)
+        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
+        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), cfg.get("scheduler", {})))
+        self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
+        self._val_sum = None
+        self._val_count = None
+        # the (optionally compiled) callable used by the training/validation steps; not a submodule
+        object.__setattr__(self, "_fwd", self.model)
+
+    def compile_model(self, **kwargs) -> None:
+        """torch.compile the training forward; generation and caches keep the eager model. The compiled
+        wrapper is not registered as a submodule, so checkpoints hold the plain `model.*` weights."""
+        object.__setattr__(self, "_fwd", torch.compile(self.model, **kwargs))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy over counted positions; returns (loss, summed loss, count)."""
+        x, y = batch[0], batch[1]
+        mask = batch[2] if len(batch) > 2 else None
+        logits = self._fwd(x, token_mask=mask)
+        ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        if mask is not None:
+            m = mask.reshape(-1).to(ce.dtype)
+            total, count = (ce * m).sum(), m.sum()
+        else:
+            total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
+        return total / count.clamp_min(1), total.detach(), count
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss, _, _ = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        aux = self.model.aux_loss()
+        if aux is not None:
+            loss = loss + aux
+        for name, value in self.model.stats().items():
+            self.log(name, value)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        _, total, count = self._loss(batch)
+        self._val_sum += total.double()
+        self._val_count += count.double()
+
+    def on_validation_epoch_end(self) -> None:
+        total, count = self._val_sum, self._val_count
+        if self.trainer.world_size > 1:
+            total = self.all_gather(total).sum()
+            count = self.all_gather(count).sum()
+        val_loss = (total / count.clamp_min(1)).float()
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(val_loss.clamp(max=50)), sync_dist=False)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # after_optimizer_step hooks (MoE bias) run once per optimizer step, not per micro-batch
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self.model.after_optimizer_step()
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim_cfg
+        opt = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            fused=False,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}

@@ -1,0 +1,188 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2 (arXiv:2405.04434) / DeepSeek-V3 (arXiv:2412.19437).
+
+Keys and values come from one low-rank latent per token, and position enters through a separate RoPE key
+shared by all heads ("decoupled RoPE"), so the cache holds only kv_lora_rank + qk_rope_head_dim values
+per token and layer:
+
+    x ──q_proj (or q_a_proj -> RMSNorm -> q_b_proj)──> per head [q_nope (dn) | q_rope (dr)] -> RoPE on q_rope
+    x ──kv_a_proj──> [c_kv (r) | k_rope (dr)];  c_kv -> RMSNorm;  k_rope -> RoPE (one head, shared)
+      cache: [c_kv | k_rope]                                          <- all that decoding keeps
+    c_kv ──kv_b_proj──> per head [k_nope (dn) | v (dv)]
+    score_h(t, s) = (q_nope_h(t) . k_nope_h(s) + q_rope_h(t) . k_rope(s)) * (dn + dr)^-1/2
+    out = o_proj(concat_h softmax(score_h) v_h)
+
+Two forms of the same weights (kv_b_proj = [W_UK | W_UV] per head):
+- expanded (training, prefill): up-project the latents to per-head k_nope and v, then SDPA.
+- absorbed (decode): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so each head's query moves into latent
+  space, attends over the cached [c_kv | k_rope] directly (one shared "key head", like MQA), and the
+  latent output is projected to v_h by W_UV_h afterwards. Cached latents are never re-expanded.
+`impl = "reference"` runs the expanded form through the explicit softmax of ops/attention.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import LatentCache
+from ..config import ConfigError, check_choice
+from ..norm import RMSNorm
+from ..ops.attention import attention_mask, attention_reference, attention_sdpa
+from ..position import RotaryEmbedding
+from ..registry import register_mixer
+from .base import Mixer, causal_attended, dtype_bytes
+
+
+@dataclass
+class MLAConfig:
+    name: str = "mla"
+    # null sizes derive from head_dim = d_model / n_heads, in DeepSeek-V2's proportions (head_dim 128:
+    # kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128); d_model 32 / 4 heads gives r=32, dn=8, dr=4, dv=8.
+    q_lora_rank: Optional[int] = None  # null: full-rank q projection (as DeepSeek-V2-Lite); V2/V3 use 1536
+    kv_lora_rank: Optional[int] = None  # d_c, the cached latent; null: 4 * head_dim
+    qk_nope_head_dim: Optional[int] = None  # per-head key/query dims without position; null: head_dim
+    qk_rope_head_dim: Optional[int] = None  # d_r, the decoupled RoPE dims (key shared by heads); null: head_dim / 2
+    v_head_dim: Optional[int] = None  # null: head_dim
+    softmax_scale: Optional[float] = None  # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    rope_interleave: bool = False  # rotate (x0,x1),(x2,x3).. pairs as DeepSeek checkpoints (HF rope_interleave)
+    absorb: str = "decode"  # decode: absorbed form for one-token cached steps | always | never
+    bias: bool = False  # biases on q_a_proj, kv_a_proj, o_proj (HF attention_bias)
+    norm_eps: float = 1e-6  # the q and kv latent RMSNorms
+
+    def sizes(self, model) -> dict:
+        hd = model.head_dim or model.d_model // model.n_heads
+        return {
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank or 4 * hd,
+            "qk_nope_head_dim": self.qk_nope_head_dim or hd,
+            "qk_rope_head_dim": self.qk_rope_head_dim or max(2, hd // 2 - (hd // 2) % 2),
+            "v_head_dim": self.v_head_dim or hd,
+        }
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.absorb, f"{field}.absorb", ("decode", "always", "never"))
+        for key, value in self.sizes(model).items():
+            if value is not None and value <= 0:
+                raise ConfigError(f"must be positive or null, got {value}", field=f"{field}.{key}")
+        dr = self.sizes(model)["qk_rope_head_dim"]
+        if dr % 2:
+            raise ConfigError(f"must be even (RoPE rotates pairs), got {dr}", field=f"{field}.qk_rope_head_dim")
+
+
+@register_mixer("mla", MLAConfig)
+class MLA(Mixer):
+    def __init__(self, cfg: MLAConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        s = cfg.sizes(model_cfg)
+        H, d = model_cfg.n_heads, model_cfg.d_model
+        self.n_heads = H
+        self.q_lora_rank, self.kv_lora_rank = s["q_lora_rank"], s["kv_lora_rank"]
+        self.dn, self.dr, self.dv = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["v_head_dim"]
+        self.scale = cfg.softmax_scale or (self.dn + self.dr) ** -0.5
+        self.dropout = model_cfg.dropout
+        qk = self.dn + self.dr
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=cfg.bias)
+            self.q_a_norm = RMSNorm(self.q_lora_rank, cfg.norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj = nn.Linear(d, self.kv_lora_rank + self.dr, bias=cfg.bias)  # [c_kv | k_rope]
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.dn + self.dv), bias=False)  # per head [W_UK | W_UV]
+        self.o_proj = nn.Linear(H * self.dv, d, bias=cfg.bias)
+        pos = model_cfg.position
+        # the decoupled key is the only place position enters, so it rotates fully (rotary_fraction is for
+        # ordinary heads); without RoPE in the model it is just a shared, position-free key part
+        self.rope = RotaryEmbedding(self.dr, pos.theta) if pos.name == "rope" else None
+
+    # ------------------------------------------------------------------ projections
+    def _rotate(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        if self.rope is None:
+            return x
+        if self.cfg.rope_interleave:
+            # pairs (x0,x1),(x2,x3).. -> [evens | odds]; rotate-half on that equals rotating each pair, and q
+            # and k share the permutation, so scores equal DeepSeek's interleaved RoPE exactly
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return self.rope(x, None, cos_sin)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, d) -> q_nope (B, H, T, dn), q_rope (B, H, T, dr), latent (B, T, r + dr) = [c_kv | k_rope]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, self.n_heads, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)  # (B, T, r), (B, T, dr)
+        cs = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None
+        q_rope, k_rope = self._rotate(q_rope, cs), self._rotate(k_rope, cs)
+        return q_nope, q_rope, torch.cat([self.kv_a_norm(c_kv), k_rope], dim=-1)
+
+    def expand(self, latent: torch.Tensor):
+        """latent (B, S, r + dr) -> per-head k (B, H, S, dn + dr) and v (B, H, S, dv)."""
+        B, S, _ = latent.shape
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.dr], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(B, self.n_heads, S, self.dr)], dim=-1)
+        return k, v
+
+    # ------------------------------------------------------------------ the two attention forms
+    def attend_expanded(self, q_nope, q_rope, latent) -> torch.Tensor:
+        """(B, H, T, dn), (B, H, T, dr), (B, S, r + dr) -> (B, H, T, dv); queries are the last T of S."""
+        k, v = self.expand(latent)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        T, S = q.shape[2], k.shape[2]
+        if self.impl == "reference":
+            mask = attention_mask(T, S, causal=True, device=q.device)
+            return attention_reference(q, k, v, mask=mask, scale=self.scale)
+        return attention_sdpa(
+            q, k, v, causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0
+        )
+
+    def attend_absorbed(self, q_nope, q_rope, latent) -> torch.Tensor:
+        """Same result as `attend_expanded`, attending over the latents without expanding them.
+
+        The key is shared by all heads, so heads become extra query rows of one SDPA call:
+        q' (B, 1, H*T, r + dr) = [W_UK_h^T q_nope_h | q_rope_h], k' = latent (B, 1, S, r + dr), v' = c_kv.
+        """
+        B, H, T, _ = q_nope.shape
+        S, r = latent.shape[1], self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.dn + self.dv, r)
+        w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # (H, dn, r), (H, dv, r)
+        q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, r)
+        q = torch.cat([q_lat, q_rope], dim=-1).reshape(B, 1, H * T, r + self.dr)  # row h*T + t
+        k = latent[:, None]  # (B, 1, S, r + dr)
+        v = latent[:, None, :, :r]  # (B, 1, S, r)
+        mask = None
+        if T > 1:  # query t (absolute S - T + t) sees keys <= it; same band for every head
+            mask = attention_mask(T, S, causal=True, device=q.device).repeat(H, 1)
+        p = self.dropout if self.training else 0.0
+        o_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, dropout_p=p)
+        o_lat = o_lat.view(B, H, T, r)
+        return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv)  # (B, H, T, dv)
+
+    # ------------------------------------------------------------------ contract
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[LatentCache] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_nope, q_rope, latent = self.project(x, positions)
+        if cache is not None:
+            latent = cache.update(latent)  # (B, S, r + dr): every token so far
+        mode = self.cfg.absorb
+        absorbed = self.impl == "fast" and (mode == "always" or (mode == "decode" and cache is not None and T == 1))
+        y = (self.attend_absorbed if absorbed else self.attend_expanded)(q_nope, q_rope, latent)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dv))
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
+        return LatentCache(self.kv_lora_rank)
+
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        return (self.kv_lora_rank + self.dr) * context_len * batch * dtype_bytes(dtype)
+
+    def flops_per_token(self, context_len: int) -> float:
+        """Expanded form (training / prefill): every projection, then QK^T over dn + dr and PV over dv per head."""
+        proj = sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, nn.Linear))
+        keys = causal_attended(context_len)
+        return 2.0 * proj + 2.0 * self.n_heads * (self.dn + self.dr + self.dv) * keys

@@ -1,0 +1,149 @@
+"""The (gated) delta rule in three forms on the same inputs: per-token recurrence (the reference),
+chunkwise-parallel UT/WY form (training and prefill), and a one-token step (decode).
+
+Per head, with state S of shape (d_k, d_v), L2-normalised q_t/k_t (done by the caller), beta_t in (0, 1)
+and an optional log-decay g_t <= 0 (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2024):
+
+    S'  = exp(g_t) S_{t-1}                         decay first,
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T        then the delta-rule write reads the decayed state,
+    o_t = scale * S_t^T q_t                         and the output reads the updated state.
+
+Without g this is DeltaNet (Schlag et al. 2021; Yang et al. 2024, "Parallelizing Linear Transformers
+with the Delta Rule over Sequence Length"). Layout is heads-first: q, k (B, H, T, Dk), v (B, H, T, Dv),
+beta and g (B, H, T), state (B, H, Dk, Dv). Inputs are computed in their own dtype; callers pass fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: q, k (B, H, Dk), v (B, H, Dv), beta/g (B, H), state (B, H, Dk, Dv) -> (o (B, H, Dv), state)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if g is not None:
+        state = state * g.exp()[..., None, None]
+    read = torch.einsum("bhk,bhkv->bhv", k, state)  # what the state already predicts for k_t
+    state = state + k[..., :, None] * (beta[..., None] * (v - read))[..., None, :]
+    o = torch.einsum("bhk,bhkv->bhv", q * scale, state)
+    return o, state
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: `delta_rule_step` over every token. Returns (o (B, H, T, Dv), final state (B, H, Dk, Dv))."""
+    B, H, T, Dk = k.shape
+    state = initial_state if initial_state is not None else k.new_zeros(B, H, Dk, v.shape[-1])
+    outs = []
+    for t in range(T):
+        o, state = delta_rule_step(
+            q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], state, None if g is None else g[:, :, t], scale
+        )
+        outs.append(o)
+    return torch.stack(outs, dim=2), state
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise-parallel form (UT/WY representation), any T. Same signature and result as the recurrence.
+
+    Within a chunk of C tokens (local positions r, s; G_r = sum_{j<=r} g_j the in-chunk cumulative
+    log-decay; S_0 the state entering the chunk), the delta-rule writes unroll to
+
+        S_r = e^{G_r} S_0 + sum_{s<=r} e^{G_r - G_s} k_s u_s^T,
+        (I + tril_{-1}(diag(beta) (K K^T * D))) u = diag(beta) (V - e^{G} K S_0),   D_rs = e^{G_r - G_s},
+
+    so u = U - W S_0 with [U | W] = solve(I + ..., [beta V | beta e^{G} K])  (the UT transform).
+    Everything except the chunk-to-chunk state hand-over is computed for all chunks at once
+    (batched matmuls and one batched triangular solve). The hand-over is affine in S:
+
+        S_next = M S + b,   M = e^{G_C} I - Kd^T W,   b = Kd^T U,   Kd = e^{G_C - G} K,
+
+    so the only Python loop is one (Dk x Dk) @ (Dk x Dv) product per chunk. Outputs then read the
+    chunk-start states in one batch: o = e^{G} Q S_0 + (Q K^T * D)_{causal} u.
+    Decays are only ever exponentiated as differences G_r - G_s (s <= r), G_C - G_s, or G_r itself,
+    all <= 0, so strong gates (g ~ -30 per token) underflow to 0 instead of overflowing.
+    """
+    B, H, T, Dk = k.shape
+    Dv = v.shape[-1]
+    scale = Dk**-0.5 if scale is None else scale
+    C = max(1, min(chunk_size, T))
+    pad = (-T) % C
+    if pad:
+        # zero k, v, beta and g leave the state untouched, so the final state is exact
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta = F.pad(beta, (0, pad))
+        g = None if g is None else F.pad(g, (0, pad))
+    N = (T + pad) // C
+    q = (q * scale).view(B, H, N, C, Dk)
+    k = k.view(B, H, N, C, Dk)
+    v = v.view(B, H, N, C, Dv)
+    beta = beta.view(B, H, N, C, 1)
+    kb = k * beta
+
+    kt = k.transpose(-1, -2)
+    A = kb @ kt  # (B, H, N, C, C): beta_r k_r . k_s; only the strict lower triangle is used
+    P = q @ kt  # q_r . k_s, causal part used
+    if g is not None:
+        G = g.view(B, H, N, C).cumsum(-1)
+        causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+        # mask before exp: above the diagonal G_r - G_s > 0 and could overflow
+        D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        A = A * D
+        P = P * D
+        eG = G.exp()[..., None]  # (B, H, N, C, 1): decay from chunk start to r
+        rhs = torch.cat([v * beta, kb * eG], dim=-1)
+        kd = k * (G[..., -1:] - G).exp()[..., None]  # decay from s to chunk end
+        chunk_decay = G[..., -1].exp()  # (B, H, N)
+        qd = q * eG
+    else:
+        rhs = torch.cat([v * beta, kb], dim=-1)
+        kd, chunk_decay, qd = k, None, q
+        P = P.tril()
+    # unitriangular: the solver reads only the strict lower triangle of A and takes the diagonal as 1
+    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    U, W = UW.split([Dv, Dk], dim=-1)
+
+    # chunk-to-chunk hand-over S_next = M S + b, the coefficients for all chunks in one matmul
+    Mb = kd.transpose(-1, -2) @ UW  # (B, H, N, Dk, Dv + Dk)
+    b, KW = Mb.split([Dv, Dk], dim=-1)
+    eye = torch.eye(Dk, dtype=k.dtype, device=k.device)
+    M = (eye if chunk_decay is None else chunk_decay[..., None, None] * eye) - KW
+    M = M.reshape(B * H, N, Dk, Dk)
+    b = b.reshape(B * H, N, Dk, Dv)
+    S = k.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(k.dtype)
+    starts = []
+    for i in range(N):
+        starts.append(S)
+        S = torch.baddbmm(b[:, i], M[:, i], S)
+    S0 = torch.stack(starts, dim=1).view(B, H, N, Dk, Dv)
+
+    u = U - W @ S0
+    o = qd @ S0 + P @ u  # (B, H, N, C, Dv)
+    o = o.reshape(B, H, N * C, Dv)[:, :, :T]
+    return o, S.view(B, H, Dk, Dv)

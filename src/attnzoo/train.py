@@ -1,0 +1,286 @@
+"""`attnzoo-train` (= `python -m attnzoo.train`): a Hydra app over conf/train.yaml.
+
+`train(cfg)` does the work and returns the final metrics (importable, tested directly);
+`main()` is the console entry point: it reports a bad config in one line (exit 2) and, under
+`-m` multirun, records a failing job in its own directory and lets the sweep go on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError, validate
+from .paths import CONF_DIR
+
+log = logging.getLogger("attnzoo")
+
+SUMMARY_KEYS = [
+    "val/loss", "val/ppl", "val/acc", "train/loss", "perf/tokens_per_sec", "perf/step_ms", "perf/mfu",
+    "perf/flops_per_token", "mem/peak_bytes", "params/total", "params/active", "cache/bytes_per_token",
+    "cache/bytes_at_ctx", "perf/decode_tokens_per_sec",
+]
+
+
+def flatten(d: Any, prefix: str = "") -> dict:
+    """{'model': {'d_model': 8}} -> {'model.d_model': 8}; lists become strings (dashboard filters)."""
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, (list, tuple)):
+        out[prefix[:-1]] = str(list(d))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def build_loggers(logger_cfg: dict, out: Path, container: dict) -> list:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = []
+    for name, opts in (logger_cfg or {}).items():
+        opts = dict(opts or {})
+        if name == "csv":
+            loggers.append(CSVLogger(save_dir=str(out), name="csv", version=""))
+        elif name == "tensorboard":
+            loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False))
+        elif name == "wandb":
+            from .wandb_logger import make_wandb_logger
+
+            wb = make_wandb_logger(opts, out, container)
+            if wb is not None:
+                loggers.append(wb)
+    return loggers
+
+
+def resolve_ckpt(ckpt_path: str | None, out: Path) -> str | None:
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        p = out / "checkpoints" / "last.ckpt"
+        if not p.exists():
+            raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
+        return str(p)
+    p = Path(ckpt_path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{ckpt_path} does not exist; allowed: an existing .ckpt file or `last`", field="ckpt_path")
+    return str(p)
+
+
+@torch.no_grad()
+def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32) -> dict:
+    """Prefill `context_len` random tokens (batch 1) into a fresh cache, then decode `decode_tokens` more.
+
+    Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill) and the decode rate."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab_size, (1, context_len), generator=g).to(device)
+    cache = model.new_cache(1, context_len + decode_tokens + 1, dtype, device)
+    logits = model(prompt, cache=cache)
+    at_ctx = cache.nbytes()
+    nxt = logits[:, -1:].argmax(-1)
+    nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)  # warm-up step, not timed
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    model.train(was_training)
+    return {"cache/bytes_at_ctx": float(at_ctx), "perf/decode_tokens_per_sec": decode_tokens / dt}
+
+
+def format_summary(summary: dict) -> str:
+    m = summary["metrics"]
+
+    def g(key, fmt="{:.4f}"):
+        v = m.get(key)
+        return "n/a" if v is None else fmt.format(v)
+
+    lines = [
+        "=" * 72,
+        f"attnzoo run summary  ({summary['output_dir']})",
+        f"  model      {summary['model']['describe']}",
+        f"  params     total {int(m.get('params/total', 0)):,}   active {int(m.get('params/active', 0)):,}",
+        f"  val        loss {g('val/loss')}   ppl {g('val/ppl', '{:.2f}')}" + (f"   acc {g('val/acc')}" if 'val/acc' in m else ""),
+        f"  speed      {g('perf/tokens_per_sec', '{:,.0f}')} tokens/s   step {g('perf/step_ms', '{:.1f}')} ms   "
+        f"MFU {g('perf/mfu', '{:.1%}')} (peak {summary['peak_flops'] / 1e9:,.1f} GFLOP/s, {summary['peak_source']})",
+        f"  kv-cache   {g('cache/bytes_per_token', '{:,.0f}')} bytes/token   {g('cache/bytes_at_ctx', '{:,.0f}')} bytes "
+        f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s",
+        f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}",
+    ]
+    if summary.get("sample"):
+        lines += ["  sample     " + repr(summary["sample"])[:400]]
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def describe_model(model) -> str:
+    cfg = model.cfg
+    kinds = [m.name for m in model.layer_mixers]
+    mix = kinds[0] if len(set(kinds)) == 1 else "[" + ",".join(kinds) + "]"
+    return (
+        f"{mix} x{cfg.n_layers} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.n_kv_heads}kv ffn={cfg.ffn.name} "
+        f"pos={cfg.position.name} norm={cfg.norm.name}({cfg.norm_position}) vocab={cfg.vocab_size}"
+    )
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train one run from a composed config; returns the final metrics (also written to summary.json)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from .callbacks import ThroughputMonitor
+    from .data import build_datamodule
+    from .flops import precision_dtype
+    from .lit import LitLM
+
+    t_start = time.perf_counter()
+    parts = validate(cfg)  # every config error surfaces here, before any work
+    run, data_cfg = parts["run"], parts["data"]
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    out = Path(run.paths.output_dir).expanduser()
+    ckpt_path = resolve_ckpt(run.ckpt_path, out)
+
+    L.seed_everything(run.seed, workers=True, verbose=False)
+    dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
+    dm.setup("fit")
+    lit = LitLM(container, vocab_size=dm.vocab_size)
+    if run.compile:
+        lit.compile_model()
+    model = lit.model
+
+    out.mkdir(parents=True, exist_ok=True)
+    loggers = build_loggers(parts["logger"], out, container)
+    cb_cfg = dict(parts["callbacks"] or {})
+    ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
+    throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
+    callbacks = [
+        throughput,
+        # last.ckpt every `ckpt_every` steps (resume point); Lightning writes to a temp file, then renames
+        ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
+                        enable_version_counter=False),
+    ]
+    monitor = cb_cfg.get("monitor") or "val/loss"
+    if cb_cfg.get("save_best", True):
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "checkpoints", filename="best", monitor=monitor,
+                            mode="max" if monitor.endswith("acc") else "min", save_top_k=1, auto_insert_metric_name=False,
+                            enable_version_counter=False)
+        )
+    if cb_cfg.get("early_stop"):
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        es = dict(cb_cfg["early_stop"])
+        callbacks.append(EarlyStopping(monitor=es.get("monitor", monitor), mode=es.get("mode", "max"),
+                                       stopping_threshold=es.get("threshold"), patience=es.get("patience", 10**9),
+                                       check_on_train_epoch_end=False))
+    trainer_kwargs = OmegaConf.to_container(OmegaConf.structured(run.trainer))
+    trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out))
+    for lg in loggers:
+        lg.log_hyperparams(flatten(container))
+
+    trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
+    final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
+
+    # ---------------------------------------------------------------- end-of-run accounting
+    infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+    metrics.update({k: float(v) for k, v in final.items()})
+    metrics.update(throughput.last)
+    metrics["params/total"] = float(model.num_params())
+    metrics["params/active"] = float(model.active_params())
+    metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
+    if run.perf.measure_decode:
+        metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
+    sample = None
+    if run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt:
+        ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
+        g = torch.Generator(device=lit.device).manual_seed(run.seed)
+        outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,
+                              top_k=run.sample.top_k, top_p=run.sample.top_p, generator=g)
+        sample = dm.decode(outp[0].tolist())
+
+    summary = {
+        "status": "ok",
+        "metrics": metrics,
+        "output_dir": str(out),
+        "global_step": trainer.global_step,
+        "wall_seconds": time.perf_counter() - t_start,
+        "context_len": data_cfg.seq_len,
+        "peak_flops": throughput.peak or 0.0,
+        "peak_source": throughput.peak_source,
+        "model": {"describe": describe_model(model), "mixers": [m.name for m in model.layer_mixers],
+                  "d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
+                  "n_kv_heads": model.cfg.n_kv_heads, "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size},
+        "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
+                 **getattr(dm, "info", {})},
+        "seed": run.seed,
+        "sample": sample,
+        "config": container,
+    }
+    if trainer.is_global_zero:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        for lg in loggers:
+            lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
+                           step=trainer.global_step)
+            lg.finalize("success")
+        print(format_summary(summary), flush=True)
+    return metrics
+
+
+def _run_job(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        multirun = False
+    try:
+        metrics = train(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        if not multirun:
+            print(f"attnzoo: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        _record_failure(cfg, e)
+        return None
+    except Exception as e:  # noqa: BLE001 - a failing sweep job must not take the others with it
+        if not multirun:
+            raise
+        _record_failure(cfg, e)
+        return None
+    target = cfg.get("optimized_metric")
+    return metrics.get(target) if target else metrics.get("val/loss")
+
+
+def _record_failure(cfg: DictConfig, err: BaseException) -> None:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "error.txt").write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    (out / "summary.json").write_text(json.dumps({"status": "failed", "error": f"{type(err).__name__}: {err}",
+                                                 "output_dir": str(out)}, indent=2))
+    print(f"attnzoo: job failed ({type(err).__name__}: {err}); recorded in {out}/error.txt", file=sys.stderr)
+
+
+def main() -> None:
+    import hydra
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
+
+
+if __name__ == "__main__":
+    main()

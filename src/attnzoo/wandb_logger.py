@@ -1,0 +1,73 @@
+"""wandb logging that never blocks or stops training.
+
+Offline automatically when no credentials are found (sync later with `wandb sync <dir>`), never prompts;
+one run per job, grouped by sweep, named from the job's overrides, tagged by mixer; a wandb failure
+(import, init, network) downgrades to a warning and training continues without it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("attnzoo")
+
+
+def has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return netrc.is_file() and "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def _job_identity() -> tuple[str | None, str | None]:
+    """(sweep group, run name) from Hydra's runtime config, when running under Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except Exception:
+        return None, None
+    overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "paths."))]
+    name = ",".join(overrides) or hc.job.name
+    group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
+    return group, name
+
+
+def make_wandb_logger(opts: dict, out: Path, container: dict):
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    offline = opts.get("offline")
+    if offline is None:
+        offline = not has_credentials()
+    if offline:
+        os.environ["WANDB_MODE"] = "offline"
+    group, name = _job_identity()
+    mixers = container.get("model", {}).get("mixer", {}) or {}
+    tags = [t for t in [mixers.get("name"), container.get("data", {}).get("name")] if t] + list(opts.get("tags") or [])
+    try:
+        return _build(opts, out, group, name, tags, offline)
+    except Exception as e:  # noqa: BLE001
+        log.warning("wandb disabled for this run: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _build(opts, out, group, name, tags, offline):
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    run = wandb.init(
+        project=opts.get("project") or "attnzoo",
+        entity=opts.get("entity"),
+        group=opts.get("group") or group,
+        name=opts.get("name") or name,
+        tags=tags,
+        dir=str(out),
+        mode="offline" if offline else "online",
+        reinit="finish_previous",
+        settings=wandb.Settings(silent=True, console="off", start_method="thread"),
+    )
+    return WandbLogger(experiment=run, save_dir=str(out))
