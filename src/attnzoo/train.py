@@ -193,11 +193,12 @@ def train(cfg: DictConfig) -> dict:
         lg.log_hyperparams(flatten(container))
 
     trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+    # validation of the final weights (the last scheduled validation may be steps earlier)
     final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
 
     # ---------------------------------------------------------------- end-of-run accounting
     infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     metrics.update({k: float(v) for k, v in final.items()})
     metrics.update(throughput.last)
     metrics["params/total"] = float(model.num_params())

@@ -20,6 +20,40 @@ import torch
 import torch.nn.functional as F
 
 
+class _UnitLowerSolve(torch.autograd.Function):
+    """X = (I + tril_{-1}(A))^{-1} rhs through the explicit inverse, with a matmul-only backward.
+
+    torch's own solve_triangular is slow on CPU for row-major batches (it copies to column-major per
+    matrix: 5-200x slower than a bmm of the same size, measured with torch 2.13 + MKL), and its backward
+    solves again. The inverse is formed once by the transposed right-hand solve, whose row-major inputs
+    already are the column-major matrices LAPACK wants; everything else is bmm:
+        dR = T^T dX,   dA = -tril_{-1}(dR X^T)   with T = (I + L)^{-1}.
+    """
+
+    @staticmethod
+    def forward(ctx, A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        C = A.shape[-1]
+        eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(A.shape)
+        # X^T (I + L)^T = I  <=>  X = (I + L)^{-1}; unitriangular reads only the strict triangle
+        T = torch.linalg.solve_triangular(A.mT, eye, upper=True, unitriangular=True, left=False).mT
+        X = T @ rhs
+        ctx.save_for_backward(T, X)
+        return X
+
+    @staticmethod
+    def backward(ctx, dX: torch.Tensor):
+        T, X = ctx.saved_tensors
+        dR = T.mT @ dX
+        dA = -(dR @ X.mT).tril(-1)
+        return dA, dR
+
+
+def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with (I + tril_{-1}(A)) X = rhs, batched over leading dims; A (..., C, C), rhs (..., C, D).
+    Only the strict lower triangle of A is read (the UT transform of the delta rule)."""
+    return _UnitLowerSolve.apply(A, rhs)
+
+
 def delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,8 +159,7 @@ def chunk_delta_rule(
         rhs = torch.cat([v * beta, kb], dim=-1)
         kd, chunk_decay, qd = k, None, q
         P = P.tril()
-    # unitriangular: the solver reads only the strict lower triangle of A and takes the diagonal as 1
-    UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    UW = solve_unit_lower(A, rhs)
     U, W = UW.split([Dv, Dk], dim=-1)
 
     # chunk-to-chunk hand-over S_next = M S + b, the coefficients for all chunks in one matmul
@@ -134,13 +167,14 @@ def chunk_delta_rule(
     b, KW = Mb.split([Dv, Dk], dim=-1)
     eye = torch.eye(Dk, dtype=k.dtype, device=k.device)
     M = (eye if chunk_decay is None else chunk_decay[..., None, None] * eye) - KW
-    M = M.reshape(B * H, N, Dk, Dk)
-    b = b.reshape(B * H, N, Dk, Dv)
+    # unbind, not M[:, i]: indexing in a loop makes autograd add N full-size zero tensors in backward
+    Ms = M.reshape(B * H, N, Dk, Dk).unbind(1)
+    bs = b.reshape(B * H, N, Dk, Dv).unbind(1)
     S = k.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(k.dtype)
     starts = []
     for i in range(N):
         starts.append(S)
-        S = torch.baddbmm(b[:, i], M[:, i], S)
+        S = torch.baddbmm(bs[i], Ms[i], S)
     S0 = torch.stack(starts, dim=1).view(B, H, N, Dk, Dv)
 
     u = U - W @ S0

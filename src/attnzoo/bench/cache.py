@@ -1,0 +1,99 @@
+"""`attnzoo-bench cache`: KV-cache memory (analytic and measured) and decode/prefill speed per attention mixer.
+
+Every mixer runs in the same decoder (d_model, heads, layers, vocab), batch 1, fp32:
+- analytic cache bytes per token and at 1k/4k/16k/64k context (`model.cache_bytes`);
+- measured bytes (`cache.nbytes()`, the tensors really held) after a real prefill to each decode context;
+- decode tokens/s at each context (prefill there, then time one-token steps); prefill tokens/s from empty.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..model import DecoderLM
+
+HELP = "KV-cache bytes (analytic + measured) and decode/prefill tokens/s for mha/gqa/mqa/sliding_window/mla"
+MIB = 2**20
+ANALYTIC_CONTEXTS = (1024, 4096, 16384, 65536)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=2, help="GQA / sliding-window KV heads")
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--window", type=int, default=512, help="sliding-window W")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096], help="decode contexts (measured)")
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=16, help="timed one-token steps per context")
+    p.add_argument("--mixers", nargs="+", default=["mha", "gqa", "mqa", "sliding_window", "mla", "local_global"])
+
+
+def model_config(name: str, args) -> dict:
+    cfg = {
+        "d_model": args.d_model, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "n_layers": args.n_layers,
+        "max_seq_len": max(args.contexts) + args.decode_steps + 8,
+    }
+    if name == "local_global":  # conf/model/local_global.yaml: 3 windowed layers to 1 global
+        return {**cfg, "pattern": ["local", "local", "local", "global"],
+                "mixers": {"local": {"name": "sliding_window", "window": args.window}, "global": {"name": "gqa"}}}
+    mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
+    return {**cfg, "mixer": mixer}
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def measure(model: DecoderLM, args, gen: torch.Generator) -> dict:
+    V = args.vocab
+    tokens = lambda n: torch.randint(0, V, (1, n), generator=gen)  # noqa: E731
+    out = {}
+    model(tokens(64))  # warm up kernels
+    idx = tokens(args.prefill_len)
+    out["prefill tok/s"] = args.prefill_len / _seconds(lambda: model(idx))
+    cache, step = model.new_cache(1, max(args.contexts) + args.decode_steps + 2), tokens(1)
+    for ctx in sorted(args.contexts):
+        if ctx > cache.seq_len:
+            model(tokens(ctx - cache.seq_len), cache=cache)  # continue the prefill up to ctx
+        out[f"meas MiB@{ctx}"] = cache.nbytes() / MIB
+        assert cache.nbytes() == model.cache_bytes(cache.seq_len), "measured != analytic cache bytes"
+        model(step, cache=cache)  # one untimed step
+        dt = _seconds(lambda: [model(step, cache=cache) for _ in range(args.decode_steps)])
+        out[f"decode tok/s@{ctx}"] = args.decode_steps / dt
+    return out
+
+
+def run(args) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name in args.mixers:
+        torch.manual_seed(0)
+        model = DecoderLM(model_config(name, args), vocab_size=args.vocab).eval()
+        row = {"mixer": name, "KiB/token": model.cache_bytes(1) / 1024}
+        for L in ANALYTIC_CONTEXTS:
+            row[f"MiB@{L // 1024}k"] = model.cache_bytes(L) / MIB
+        row["GFLOP/tok@4k"] = model.flops_per_token(4096) / 1e9
+        row.update(measure(model, args, gen))
+        rows.append(row)
+    ctxs = sorted(args.contexts)
+    columns = ["mixer", "KiB/token"] + [f"MiB@{L // 1024}k" for L in ANALYTIC_CONTEXTS] + ["GFLOP/tok@4k"]
+    columns += [f"meas MiB@{c}" for c in ctxs] + [f"decode tok/s@{c}" for c in ctxs] + ["prefill tok/s"]
+    hd = args.d_model // args.n_heads
+    notes = [
+        f"d_model={args.d_model}, n_heads={args.n_heads} (head_dim {hd}), n_kv_heads={args.n_kv_heads} (gqa, "
+        f"sliding_window), n_layers={args.n_layers}, W={args.window}, vocab={args.vocab}, batch 1, fp32, "
+        f"{torch.get_num_threads()} threads; MLA defaults: kv_lora_rank={4 * hd}, qk_rope_head_dim={hd // 2}.",
+        "KiB/token: cache bytes per token of context (for sliding_window, until the context reaches W). "
+        "MiB@Nk: analytic `model.cache_bytes(N)`. meas MiB@N: `cache.nbytes()` after a real prefill to N "
+        "(asserted equal to the analytic bytes).",
+        f"decode tok/s@N: mean over {args.decode_steps} one-token steps after a prefill to N "
+        f"(batch 1; includes the LM head). prefill tok/s: one {args.prefill_len}-token forward from empty.",
+    ]
+    return {"title": "KV-cache memory and decode speed per attention mixer", "columns": columns, "rows": rows,
+            "notes": notes}

@@ -1,0 +1,49 @@
+"""Shared fixtures: compose the real configs from conf/ on tiny sizes, with tmp output dirs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from attnzoo.paths import CONF_DIR
+
+# Tiny test models run fastest on one thread (no OpenMP hand-offs per op).
+torch.set_num_threads(1)
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+# One tokenizer/token cache for the whole session: the BPE tokenizer is trained once.
+SESSION_CACHE = Path(os.environ.get("ATTNZOO_TEST_CACHE", Path.home() / ".cache" / "attnzoo-tests"))
+
+# Small text corpus for end-to-end tests (the default corpus is 2M characters).
+SMALL_TEXT = ["data.max_chars=300000", "data.vocab_size=512"]
+
+
+def compose_cfg(overrides: list[str], output_dir: Path | str | None = None):
+    """Compose conf/train.yaml with overrides, as `attnzoo-train` would (outside a Hydra run)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        ov = list(overrides) + [f"paths.cache_dir={SESSION_CACHE}"]
+        if output_dir is not None:
+            ov.append(f"paths.output_dir={output_dir}")
+        return compose(config_name="train", overrides=ov)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    def _make(*overrides: str, output_dir: Path | None = None):
+        return compose_cfg(list(overrides), output_dir or tmp_path / "run")
+
+    return _make
+
+
+def tiny_model_cfg(mixer: str | dict = "gqa", **kw) -> dict:
+    """A plain-dict model config for unit tests (d_model 32, 4 heads, 2 KV heads, 2 layers)."""
+    cfg = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mixer": mixer if isinstance(mixer, dict) else {"name": mixer},
+           "ffn": {"name": "swiglu"}}
+    cfg.update(kw)
+    return cfg

@@ -1,0 +1,120 @@
+"""Every yaml in conf/ composes and instantiates; bad input fails before any work with one clear line."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from attnzoo.config import ConfigError, resolve_model, validate
+from attnzoo.model import DecoderLM
+from attnzoo.paths import CONF_DIR
+from tests.conftest import compose_cfg, tiny_model_cfg
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+ALL_OPTIONS = [
+    (group, option)
+    for group in ("model", "model/mixer", "model/ffn", "model/position", "model/norm", "data", "trainer", "optim",
+                  "scheduler", "logger", "callbacks", "experiment", "debug")
+    for option in group_options(group)
+]
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_every_option_composes_validates_and_builds(group, option, tmp_path):
+    cfg = compose_cfg([f"{group}={option}", "debug=smoke"] if group != "debug" else [f"debug={option}"], tmp_path)
+    parts = validate(cfg)
+    model = DecoderLM(parts["model"], vocab_size=64)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 64, (1, 8)))
+    assert logits.shape == (1, 8, 64)
+
+
+def test_debug_smoke_is_tiny(tmp_path):
+    parts = validate(compose_cfg(["debug=smoke"], tmp_path))
+    assert parts["model"].d_model <= 64 and parts["run"].trainer.max_steps <= 10
+
+
+def test_documented_field_names_exist(tmp_path):
+    cfg = compose_cfg([], tmp_path)
+    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "data.seq_len",
+                "data.batch_size", "trainer.max_steps", "seed"):
+        assert OmegaConf.select(cfg, key) is not None, key
+
+
+@pytest.mark.parametrize(
+    "overrides,field,phrase",
+    [
+        (["model.d_model=100", "model.n_heads=8"], "model.d_model", "not divisible by n_heads"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads", "allowed: 1, 2, 4, 8"),
+        (["model.mixer.name=nope"], "model.mixer.name", "allowed:"),
+        (["+model.bogus=1"], "model.bogus", "unknown key"),
+        (["+model.mixer.bogus=1"], "model.mixer.bogus", "unknown key"),
+        (["model.n_layers=abc"], "model.n_layers", ""),
+        (["model.norm_position=middle"], "model.norm_position", "allowed: pre, post"),
+        (["model.pattern=[gqa,nope]"], "model.pattern", "unknown mixer"),
+        (["model.pattern=[gqa,mqa,gqa]"], "model.pattern", "does not divide n_layers"),
+        (["data.tokenizer=word"], "data.tokenizer", "allowed: bpe, char"),
+        (["+data.bogus=1"], "data.bogus", "unknown key"),
+        (["optim.lr=-1"], "optim.lr", "must be positive"),
+        (["scheduler.name=step"], "scheduler.name", "allowed: cosine, noam, constant"),
+        (["trainer.precision=8bit"], "trainer.precision", "allowed"),
+        (["model/position=learned", "model.max_seq_len=16", "data.seq_len=64"], "data.seq_len", "max_seq_len"),
+    ],
+)
+def test_bad_config_fails_with_one_line_naming_the_field(overrides, field, phrase, tmp_path):
+    cfg = compose_cfg(overrides, tmp_path)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(field), msg
+    assert phrase in msg
+
+
+def test_pattern_builds_per_layer_mixers():
+    cfg = tiny_model_cfg("gqa", n_layers=4, pattern="mqa,gqa", mixers={})
+    m = DecoderLM(cfg, vocab_size=10)
+    assert [x.name for x in m.layer_mixers] == ["mqa", "gqa", "mqa", "gqa"]
+    assert [x.n_kv_heads for x in m.mixers] == [1, 2, 1, 2]
+    named = tiny_model_cfg("gqa", n_layers=2, pattern=["wide", "gqa"], mixers={"wide": {"name": "gqa", "n_kv_heads": 4}})
+    m = DecoderLM(named, vocab_size=10)
+    assert [x.n_kv_heads for x in m.mixers] == [4, 2]
+
+
+def test_resolve_model_accepts_plain_dicts():
+    cfg = resolve_model(tiny_model_cfg("mha"))
+    assert cfg.mixer.name == "mha" and cfg.ffn.name == "swiglu" and cfg.position.name == "rope"
+
+
+def run_cli(*args, tmp_path):
+    return subprocess.run(
+        [sys.executable, "-m", "attnzoo.train", *args, f"hydra.run.dir={tmp_path}/cli"],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_cli_bad_value_is_one_line_and_exit_2(tmp_path):
+    r = run_cli("model.n_kv_heads=3", tmp_path=tmp_path)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert lines[-1].startswith("attnzoo: error: model.n_kv_heads:"), r.stderr
+    assert len([ln for ln in lines if "attnzoo: error" in ln]) == 1
+    assert not (Path(tmp_path) / "cli" / "checkpoints").exists()  # nothing written half-way
+
+
+def test_cli_unknown_group_option_lists_choices(tmp_path):
+    r = run_cli("model/mixer=nope", tmp_path=tmp_path)
+    assert r.returncode != 0
+    assert "Could not find 'model/mixer/nope'" in r.stderr and "gqa" in r.stderr
+
+
+def test_cli_missing_data_path(tmp_path):
+    r = run_cli("debug=smoke", f"data.path={tmp_path}/missing.txt", tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert "data.path:" in r.stderr and "does not exist" in r.stderr
