@@ -8,7 +8,7 @@ import torch
 
 from attnzoo.cache import LatentCache, SlidingWindowCache
 from attnzoo.config import ConfigError, resolve_model
-from attnzoo.mixers.attention import Attention, SlidingWindowAttention
+from attnzoo.mixers.attention import Attention, SlidingWindowAttention, decode_sdpa
 from attnzoo.mixers.base import causal_attended
 from attnzoo.model import DecoderLM
 from attnzoo.ops.attention import attention_mask, attention_reference
@@ -165,6 +165,14 @@ def test_blocked_band_sdpa_matches_reference_values_and_grads(T, Tk, window, blo
     gr = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(gf, gr):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+def test_decode_sdpa_groups_heads_like_reference(H, Hkv):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H, 1, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, Hkv, 13, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    torch.testing.assert_close(decode_sdpa(q, k, v), attention_reference(q, k, v), atol=1e-12, rtol=0)
 
 
 def test_ring_buffer_never_holds_more_than_window():
@@ -328,3 +336,25 @@ def test_local_global_preset_composes():
     # memory: 6 window layers flat at W = 128 tokens, 2 global layers growing
     per_layer_tok = 2 * 2 * 8 * 4
     assert model.cache_bytes(1000) == 6 * 128 * per_layer_tok + 2 * 1000 * per_layer_tok
+
+
+def test_cache_benchmark_smoke(tmp_path):
+    """`attnzoo-bench cache` on a tiny model: writes a row per mixer with measured == analytic bytes."""
+    import argparse
+
+    from attnzoo.bench import cache as bench_cache
+
+    parser = argparse.ArgumentParser()
+    bench_cache.add_arguments(parser)
+    args = parser.parse_args(
+        "--d-model 32 --n-heads 4 --n-layers 4 --vocab 31 --window 8 --contexts 6 20 --prefill-len 16 "
+        "--decode-steps 2 --mixers gqa sliding_window mla local_global".split()
+    )
+    result = bench_cache.run(args)
+    rows = {r["mixer"]: r for r in result["rows"]}
+    assert set(rows) == {"gqa", "sliding_window", "mla", "local_global"}
+    mib = 2.0**-20
+    assert rows["gqa"]["meas MiB@20"] == pytest.approx(4 * 20 * 2 * 2 * 8 * 4 * mib)
+    assert rows["sliding_window"]["meas MiB@20"] == pytest.approx(4 * 8 * 2 * 2 * 8 * 4 * mib)  # flat at W
+    assert rows["mla"]["KiB/token"] == pytest.approx(4 * (32 + 4) * 4 / 1024)
+    assert all(r["decode tok/s@20"] > 0 and r["prefill tok/s"] > 0 for r in rows.values())

@@ -187,6 +187,10 @@ def train(cfg: DictConfig) -> dict:
         callbacks.append(EarlyStopping(monitor=es.get("monitor", monitor), mode=es.get("mode", "max"),
                                        stopping_threshold=es.get("threshold"), patience=es.get("patience", 10**9),
                                        check_on_train_epoch_end=False))
+    if run.trainer.enable_progress_bar:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
     trainer_kwargs = OmegaConf.to_container(OmegaConf.structured(run.trainer))
     trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out))
     for lg in loggers:

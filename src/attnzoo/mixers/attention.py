@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache, SlidingWindowCache
@@ -93,6 +94,9 @@ class Attention(Mixer):
                 q.shape[2], k.shape[2], causal=self.causal, window=self.window, device=q.device, q_offset=q_offset
             )
             return attention_reference(q, k, v, mask=mask, scale=self.scale)
+        if q.shape[2] == 1 and (self.window is None or k.shape[2] <= self.window):
+            # one new token: every held key is visible
+            return decode_sdpa(q, k, v, scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
         return attention_sdpa(
             q, k, v, causal=self.causal, window=self.window, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
@@ -116,6 +120,19 @@ class Attention(Mixer):
         proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features)
         keys = causal_attended(context_len, self.window) if self.causal else float(context_len)
         return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV
+
+
+def decode_sdpa(q, k, v, *, scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """One query per head over every held key, no mask: q (B, H, 1, D), k/v (B, Hkv, Tk, D) -> (B, H, 1, D).
+
+    The query heads of a group become query rows of their shared KV head, (B, H, 1, D) -> (B, Hkv, H/Hkv, D),
+    so GQA/MQA decoding reads the cache once instead of copying it H/Hkv times (attention_sdpa's expand).
+    Reference: `attention_reference` (heads h share KV head h // (H/Hkv), the same grouping).
+    """
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v, scale=scale, dropout_p=dropout_p)
+    return out.reshape(B, H, 1, v.shape[-1])
 
 
 for _name in ("mha", "gqa", "mqa"):
@@ -145,12 +162,10 @@ class SlidingWindowAttention(Attention):
         self.window = cfg.window
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
-        if self.impl == "reference":
+        if self.impl == "reference" or (q.shape[2] == 1 and k.shape[2] <= self.window):
+            # decode over the ring (slot order, at most W keys, all inside the window): no band needed
             return super().attend(q, k, v, q_offset)
         dropout_p = self.dropout if self.training else 0.0
-        if q.shape[2] == 1 and k.shape[2] <= self.window:
-            # one query over at most W held keys (the ring, in slot order): all are in its window, no mask
-            return attention_sdpa(q, k, v, causal=False, scale=self.scale, dropout_p=dropout_p)
         return sliding_window_sdpa(q, k, v, window=self.window, scale=self.scale, dropout_p=dropout_p)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> SlidingWindowCache:

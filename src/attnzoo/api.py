@@ -1,0 +1,36 @@
+"""Python API for researchers who prefer code to the CLI.
+
+    import attnzoo, torch
+    cfg = attnzoo.load_config(["model=hybrid_gdn", "model.n_layers=4"])   # the CLI's overrides
+    model = attnzoo.build_model(cfg.model, vocab_size=256)              # or build_model("gpt2", vocab_size=256)
+    logits = model(torch.randint(0, 256, (2, 64)))                      # (2, 64, 256)
+    print(model.cache_bytes(4096), model.flops_per_token(4096))
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from omegaconf import DictConfig
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
+    """Compose conf/train.yaml with command-line style overrides (outside a Hydra run: no output dir)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .paths import CONF_DIR
+
+    gh = GlobalHydra.instance()
+    if gh.is_initialized():
+        gh.clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides) + ["paths.output_dir=."])
+
+
+def build_model(cfg: Any = "default", vocab_size: int | None = None, overrides: Sequence[str] = ()):
+    """A `DecoderLM` from a model config (DictConfig / dict / ModelConfig) or a preset name in conf/model/."""
+    from .model import DecoderLM
+
+    if isinstance(cfg, str):
+        cfg = load_config([f"model={cfg}", *overrides]).model
+    return DecoderLM(cfg, vocab_size=vocab_size)
