@@ -75,8 +75,8 @@ class LitLM(L.LightningModule):
         self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
         self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), cfg.get("scheduler", {})))
         self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
-        self._val_sum = None
-        self._val_count = None
+        self._val = None
+        self._val_has_mask = False
         # the (optionally compiled) callable used by the training/validation steps; not a submodule
         object.__setattr__(self, "_fwd", self.model)
 
@@ -88,8 +88,11 @@ class LitLM(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mean cross-entropy over counted positions; returns (loss, summed loss, count)."""
+    def _loss(self, batch, return_logits: bool = False):
+        """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
+
+        A batch is (x, y) or (x, y, loss_mask): with a mask only its True positions count (synthetic
+        tasks: the answer positions; padding never counts)."""
         x, y = batch[0], batch[1]
         mask = batch[2] if len(batch) > 2 else None
         logits = self._fwd(x, token_mask=mask)
@@ -99,7 +102,8 @@ class LitLM(L.LightningModule):
             total, count = (ce * m).sum(), m.sum()
         else:
             total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
-        return total / count.clamp_min(1), total.detach(), count
+        loss = total / count.clamp_min(1)
+        return (loss, total.detach(), count, logits) if return_logits else (loss, total.detach(), count)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)
@@ -112,22 +116,28 @@ class LitLM(L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+        # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end
+        self._val = torch.zeros(3, device=self.device, dtype=torch.float64)
+        self._val_has_mask = False
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        _, total, count = self._loss(batch)
-        self._val_sum += total.double()
-        self._val_count += count.double()
+        _, total, count, logits = self._loss(batch, return_logits=True)
+        correct = logits.argmax(-1) == batch[1]
+        if len(batch) > 2:
+            self._val_has_mask = True
+            correct = correct & batch[2]
+        self._val += torch.stack([total.double(), count.double(), correct.sum().double()])
 
     def on_validation_epoch_end(self) -> None:
-        total, count = self._val_sum, self._val_count
+        stats = self._val
         if self.trainer.world_size > 1:
-            total = self.all_gather(total).sum()
-            count = self.all_gather(count).sum()
-        val_loss = (total / count.clamp_min(1)).float()
+            stats = self.all_gather(stats).reshape(-1, 3).sum(0)
+        total, count, correct = stats[0], stats[1].clamp_min(1), stats[2]
+        val_loss = (total / count).float()
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(val_loss.clamp(max=50)), sync_dist=False)
+        if self._val_has_mask:  # synthetic tasks: accuracy on the answer positions only
+            self.log("val/acc", (correct / count).float(), prog_bar=True, sync_dist=False)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # after_optimizer_step hooks (MoE bias) run once per optimizer step, not per micro-batch

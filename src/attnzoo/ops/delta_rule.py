@@ -58,11 +58,12 @@ def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 def decay_exp(log_decay: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """exp of a cumulative log-decay (<= 0), flushing values below exp(log(tiny) / 3) to exactly 0.
 
-    Why: strong gates make e^{G} tiny, and products of tiny factors in the matmuls (and more in the
-    backward) fall into subnormal floats, which x86 CPUs process 10-100x slower (measured: fwd+bwd of
-    T=2048 went from 0.07 s to 5 s). A factor below the cut is < 1e-12 (fp32) / 1e-102 (fp64) of the
-    always-present diagonal term, far under the dtype's resolution, and any product of three cut
-    factors is still a normal float. `keep` (bool) masks entries to 0 (e.g. the non-causal triangle)."""
+    Why: with strong gates e^{G} gets tiny, and products of tiny factors inside the matmuls fall into
+    subnormal floats, which x86 CPUs process 10-100x slower. A factor below the cut is < 1e-12 (fp32) /
+    1e-102 (fp64) of the always-present diagonal term, far under the dtype's resolution, and a product
+    of up to three kept factors stays normal. Products with small data can still be subnormal: for CPU
+    training speed also set `torch.set_flush_denormal(True)` (the benchmark does, for every form).
+    `keep` (bool) masks further entries to 0 (e.g. the non-causal triangle)."""
     cut = math.log(torch.finfo(log_decay.dtype).tiny) / 3
     drop = log_decay < cut
     if keep is not None:

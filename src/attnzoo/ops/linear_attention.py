@@ -1,0 +1,71 @@
+"""Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs") in three forms:
+per-token recurrence (reference), chunkwise-parallel (training and prefill) and a one-token step (decode).
+
+Per head, with feature-mapped queries/keys (the caller applies phi):
+
+    S_t = S_{t-1} + k_t v_t^T,        o_t = scale * S_t^T q_t.
+
+Normalisation (o_t / (q_t . sum_{s<=t} k_s)) is left to the caller: it appends a column of ones to v,
+so the last output column is the denominator and the state carries the key sum as its last column.
+Layout is heads-first: q, k (B, H, T, Dk), v (B, H, T, Dv), state (B, H, Dk, Dv).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_attention_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, scale: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: q, k (B, H, Dk), v (B, H, Dv), state (B, H, Dk, Dv) -> (o (B, H, Dv), state)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    state = state + k[..., :, None] * v[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q * scale, state), state
+
+
+def linear_attention_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: `linear_attention_step` over every token -> (o (B, H, T, Dv), final state)."""
+    B, H, T, Dk = k.shape
+    state = initial_state if initial_state is not None else k.new_zeros(B, H, Dk, v.shape[-1])
+    outs = []
+    for t in range(T):
+        o, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, scale)
+        outs.append(o)
+    return torch.stack(outs, dim=2), state
+
+
+def chunk_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise form, any T: within a chunk a causal (Q K^T) V; across chunks the state entering chunk i
+    is S_0 + sum_{j<i} K_j^T V_j, an exclusive cumulative sum, so there is no loop at all."""
+    B, H, T, Dk = k.shape
+    Dv = v.shape[-1]
+    scale = Dk**-0.5 if scale is None else scale
+    C = max(1, min(chunk_size, T))
+    pad = (-T) % C
+    if pad:  # zero keys/values add nothing to the state
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    N = (T + pad) // C
+    q = (q * scale).view(B, H, N, C, Dk)
+    k = k.view(B, H, N, C, Dk)
+    v = v.view(B, H, N, C, Dv)
+    kv = k.transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's contribution
+    S0 = kv.new_zeros(B, H, 1, Dk, Dv) if initial_state is None else initial_state[:, :, None].to(kv.dtype)
+    starts = torch.cat([S0, S0 + kv.cumsum(2)], dim=2)  # state before chunk 0..N
+    o = q @ starts[:, :, :-1] + (q @ k.transpose(-1, -2)).tril() @ v
+    return o.reshape(B, H, N * C, Dv)[:, :, :T], starts[:, :, -1]
