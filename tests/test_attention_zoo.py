@@ -1,8 +1,6 @@
 """The softmax-attention zoo: MHA/GQA/MQA, sliding window, MLA — caches, decode, memory and FLOPs accounting."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -323,12 +321,11 @@ def test_bad_configs_name_the_field(mixer, field):
 
 
 def test_local_global_preset_composes():
-    from hydra import compose, initialize_config_dir
+    from tests.conftest import compose_cfg
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose(config_name="local_global", overrides=["d_model=32", "n_heads=4", "n_kv_heads=2", "n_layers=8"])
-    model = DecoderLM(cfg, vocab_size=61)
+    sizes = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=8"]
+    cfg = compose_cfg(["model=local_global", *sizes])
+    model = DecoderLM(cfg.model, vocab_size=61)
     kinds = [type(m).__name__ for m in model.mixers]
     assert kinds == ["SlidingWindowAttention"] * 3 + ["Attention"] + ["SlidingWindowAttention"] * 3 + ["Attention"]
     assert [m.window for m in model.mixers[:4]] == [128, 128, 128, None]

@@ -57,11 +57,11 @@ def test_one_expert_top1_equals_dense_ffn(expert_type, scoring, impl):
     m.impl = impl
     if expert_type == "swiglu":
         dense = SwiGLU(SwiGLUConfig(d_ff=48), D)
-        dense.gate_up.weight.data.copy_(m.w_up[0])
+        dense.gate_up.weight.data.copy_(m.w_up[0].T)
     else:
         dense = MLP(MLPConfig(d_ff=48, bias=False), D)
-        dense.up.weight.data.copy_(m.w_up[0])
-    dense.down.weight.data.copy_(m.w_down[0])
+        dense.up.weight.data.copy_(m.w_up[0].T)
+    dense.down.weight.data.copy_(m.w_down[0].T)
     x = torch.randn(2, 7, D)
     torch.testing.assert_close(m(x), dense(x), atol=1e-6, rtol=1e-6)
 
@@ -152,7 +152,7 @@ def test_capacity_drops_overflow_and_padding_first():
     x[..., 0] = 1.0  # logits (10, 0): expert 0 for all
     mask = torch.tensor([[False, True, True, True]])
     y = m(x, token_mask=mask)
-    dense_e0 = F.linear(m._act(F.linear(x[0], m.w_up[0])), m.w_down[0])
+    dense_e0 = m._act(x[0] @ m.w_up[0]) @ m.w_down[0]
     w0 = 1.0  # top-1 renormalised
     torch.testing.assert_close(y[0, 1:3], w0 * dense_e0[1:3])
     assert torch.equal(y[0, 0], torch.zeros(D)) and torch.equal(y[0, 3], torch.zeros(D))
@@ -327,8 +327,8 @@ def _well_separated(scores_for_choice: torch.Tensor, k: int, min_gap: float = 1e
 
 
 def _copy_experts(ours: MoE, hf_experts) -> None:
-    ours.w_up.data.copy_(hf_experts.gate_up_proj)
-    ours.w_down.data.copy_(hf_experts.down_proj)
+    ours.w_up.data.copy_(hf_experts.gate_up_proj.transpose(1, 2))
+    ours.w_down.data.copy_(hf_experts.down_proj.transpose(1, 2))
 
 
 def _copy_mlp(ours: SwiGLU, hf_mlp) -> None:

@@ -93,3 +93,17 @@ class ThroughputMonitor(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._pause()
+
+
+class PreemptionCheckpoint(L.Callback):
+    """On SIGTERM (what SLURM sends before preemption) Lightning finishes the batch and raises
+    SIGTERMException on every rank; this writes last.ckpt (atomically) so a requeued job resumes."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(self.path)

@@ -141,6 +141,7 @@ class TrainConfig:
     ckpt_path: Optional[str] = None  # a .ckpt path, or `last` (this run dir's checkpoints/last.ckpt)
     compile: bool = False
     optimized_metric: str = "val/loss"  # what main() returns to a Hydra sweeper
+    on_nonfinite: str = "stop"  # NaN/inf training loss: stop (error naming the step) | skip (the step) | ignore
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -334,6 +335,7 @@ def validate(cfg: DictConfig) -> dict:
     check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
     check_choice(run.scheduler.name, "scheduler.name", ("cosine", "noam", "constant"))
     check(run.trainer.max_steps > 0, "trainer.max_steps", "must be positive")
+    check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(
         run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")

@@ -1,6 +1,7 @@
 """LightningModule for language modelling: loss, metrics, optimizer groups, LR schedules."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -11,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
+
+log = logging.getLogger("attnzoo")
 
 
 def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
@@ -59,6 +62,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN/inf (on_nonfinite=stop)."""
+
+
 class LitLM(L.LightningModule):
     """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
 
@@ -75,6 +82,8 @@ class LitLM(L.LightningModule):
         self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
         self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), cfg.get("scheduler", {})))
         self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
+        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
+        self.skipped_steps = 0
         self._val = None
         self._val_has_mask = False
         # the (optionally compiled) callable used by the training/validation steps; not a submodule
@@ -105,8 +114,17 @@ class LitLM(L.LightningModule):
         loss = total / count.clamp_min(1)
         return (loss, total.detach(), count, logits) if return_logits else (loss, total.detach(), count)
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx: int):
         loss, _, _ = self._loss(batch)
+        if self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # one host sync per step
+            if self.on_nonfinite == "skip":
+                self.skipped_steps += 1
+                log.warning("non-finite training loss at step %d: step skipped", self.global_step)
+                return None  # Lightning skips the optimizer step
+            raise NonFiniteLossError(
+                f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
+                f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
+            )
         self.log("train/loss", loss, prog_bar=True)
         aux = self.model.aux_loss()
         if aux is not None:

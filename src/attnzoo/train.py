@@ -53,7 +53,7 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict) -> list:
             loggers.append(CSVLogger(save_dir=str(out), name="csv", version=""))
         elif name == "tensorboard":
             loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False))
-        elif name == "wandb":
+        elif name == "wandb" and is_rank_zero():  # one wandb run per job, not one per rank
             from .wandb_logger import make_wandb_logger
 
             wb = make_wandb_logger(opts, out, container)
@@ -63,17 +63,23 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict) -> list:
 
 
 def resolve_ckpt(ckpt_path: str | None, out: Path) -> str | None:
+    """`last` -> <out>/checkpoints/last.ckpt; check the file is a complete, loadable checkpoint."""
+    from .checkpoint import check_checkpoint
+
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
         p = out / "checkpoints" / "last.ckpt"
         if not p.exists():
             raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
-        return str(p)
-    p = Path(ckpt_path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{ckpt_path} does not exist; allowed: an existing .ckpt file or `last`", field="ckpt_path")
+    else:
+        p = Path(ckpt_path).expanduser()
+    check_checkpoint(p)
     return str(p)
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 @torch.no_grad()
@@ -141,9 +147,14 @@ def train(cfg: DictConfig) -> dict:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from .callbacks import ThroughputMonitor
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from .callbacks import PreemptionCheckpoint, ThroughputMonitor
+    from .checkpoint import AtomicCheckpointIO
     from .data import build_datamodule
+    from .data.sampling import DataPositionCallback
     from .flops import precision_dtype
+    from .launch import launch_workers, processes_to_launch
     from .lit import LitLM
 
     t_start = time.perf_counter()
@@ -156,7 +167,13 @@ def train(cfg: DictConfig) -> dict:
 
     L.seed_everything(run.seed, workers=True, verbose=False)
     dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
-    dm.setup("fit")
+    dm.setup("fit")  # tokenizer trained and cached once, before any worker starts
+
+    n_workers = processes_to_launch(run.trainer)
+    if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
+        launch_workers(container, out, n_workers)
+        return json.loads((out / "summary.json").read_text())["metrics"]
+
     lit = LitLM(container, vocab_size=dm.vocab_size)
     if run.compile:
         lit.compile_model()
@@ -168,6 +185,8 @@ def train(cfg: DictConfig) -> dict:
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
     throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
     callbacks = [
+        DataPositionCallback(),  # first: the data position must be current when checkpoints are written
+        PreemptionCheckpoint(out / "checkpoints" / "last.ckpt"),
         throughput,
         # last.ckpt every `ckpt_every` steps (resume point); Lightning writes to a temp file, then renames
         ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
@@ -192,11 +211,21 @@ def train(cfg: DictConfig) -> dict:
 
         callbacks.append(TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
     trainer_kwargs = OmegaConf.to_container(OmegaConf.structured(run.trainer))
-    trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out))
+    trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out),
+                        plugins=[AtomicCheckpointIO()], use_distributed_sampler=False)  # our sampler shards
     for lg in loggers:
         lg.log_hyperparams(flatten(container))
 
-    trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        # preempted (SLURM sends SIGTERM first): last.ckpt was written by PreemptionCheckpoint
+        if trainer.is_global_zero:
+            (out / "summary.json").write_text(json.dumps({"status": "preempted", "global_step": trainer.global_step,
+                                                         "output_dir": str(out)}, indent=2))
+            print(f"attnzoo: SIGTERM at step {trainer.global_step}; saved {out / 'checkpoints' / 'last.ckpt'}; "
+                  f"resume with ckpt_path=last hydra.run.dir={out}", flush=True)
+        return {"status": "preempted", "global_step": trainer.global_step}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     # validation of the final weights (the last scheduled validation may be steps earlier)
     final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
@@ -208,10 +237,10 @@ def train(cfg: DictConfig) -> dict:
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
-    if run.perf.measure_decode:
+    if run.perf.measure_decode and trainer.is_global_zero:
         metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
     sample = None
-    if run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt:
+    if run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt and trainer.is_global_zero:
         ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
         g = torch.Generator(device=lit.device).manual_seed(run.seed)
         outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,
@@ -233,6 +262,7 @@ def train(cfg: DictConfig) -> dict:
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
         "seed": run.seed,
+        "world_size": trainer.world_size,
         "sample": sample,
         "config": container,
     }

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..config import ConfigError, check, check_choice
 from . import register_data
 from .corpus import load_corpus, text_sha
+from .sampling import ResumableDataMixin, ResumableShuffleSampler
 from .tokenizer import encode_corpus, get_tokenizer
 
 
@@ -51,7 +52,7 @@ class Blocks(Dataset):
 
 
 @register_data("text", TextDataConfig)
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(ResumableDataMixin, L.LightningDataModule):
     def __init__(self, cfg: TextDataConfig, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
         super().__init__()
         self.cfg, self.cache_dir, self.seed = cfg, cache_dir, seed
@@ -89,14 +90,14 @@ class TextDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.train_set, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True, generator=g,
-            num_workers=self.cfg.num_workers,
-        )
+        # shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch
+        sampler = self.make_train_sampler(len(self.train_set), self.seed, self.cfg.batch_size)
+        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.cfg.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False, num_workers=self.cfg.num_workers)
+        sampler = ResumableShuffleSampler(len(self.val_set), 0, self.cfg.batch_size, shuffle=False)  # sharded, in order
+        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, sampler=sampler, num_workers=self.cfg.num_workers)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

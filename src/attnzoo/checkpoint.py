@@ -1,0 +1,54 @@
+"""Checkpoint safety: atomic writes and a clear one-line error for unreadable checkpoints."""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from .config import ConfigError
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temp file in the same folder, fsync, then `os.replace` onto the target: a process killed
+    mid-write leaves the previous checkpoint intact (and at worst a stray `.tmp`), never a truncated one."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
+        # our checkpoints hold tensors, numbers, strings and dicts only: safe to load weights_only
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> None:
+    """Fail with one line if `path` is not a complete, loadable checkpoint (before any work)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
+    if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
+        raise ConfigError(f"{path} is corrupt or truncated (not a complete torch zip archive)", field=field)
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path} cannot be loaded ({first[:160]})", field=field) from None
+    missing = [k for k in ("state_dict", "global_step") if k not in state]
+    if missing:
+        raise ConfigError(f"{path} is not a training checkpoint (missing {', '.join(missing)})", field=field)

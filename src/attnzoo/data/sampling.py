@@ -1,0 +1,91 @@
+"""A shuffling sampler that shards across DDP ranks and resumes mid-epoch at the exact batch.
+
+Epoch e's order is `randperm(n, seed + e)`; rank r takes every world_size-th index of it (equal
+shares, tail dropped). The position (epoch, batches done) is recorded by `DataPositionCallback`
+after every training batch and saved in the checkpoint through the datamodule's `state_dict`, so a
+resumed run continues with the very next batch the interrupted run would have seen.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ResumableShuffleSampler(Sampler[int]):
+    def __init__(self, n: int, seed: int, batch_size: int, shuffle: bool = True):
+        self.n, self.seed, self.batch_size, self.shuffle = n, seed, batch_size, shuffle
+        self.epoch = 0
+        self.skip_batches = 0  # consumed once, by the first iteration after a resume
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at every epoch start
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        self.epoch, self.skip_batches = epoch, batches_done
+
+    def _indices(self) -> list[int]:
+        rank, world = _rank_world()
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g)
+        else:
+            order = torch.arange(self.n)
+        per_rank = self.n // world
+        return order[rank : per_rank * world : world].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        idx = self._indices()
+        skip, self.skip_batches = self.skip_batches * self.batch_size, 0
+        return iter(idx[skip:])
+
+    def __len__(self) -> int:
+        return self.n // _rank_world()[1]
+
+
+class ResumableDataMixin:
+    """For LightningDataModules: `self.position` is saved in checkpoints and re-applied on resume."""
+
+    position: dict = {"epoch": 0, "batches": 0}
+    _train_sampler: ResumableShuffleSampler | None = None
+    _resume: dict | None = None
+
+    def make_train_sampler(self, n: int, seed: int, batch_size: int) -> ResumableShuffleSampler:
+        self._train_sampler = ResumableShuffleSampler(n, seed, batch_size)
+        if self._resume:
+            self._train_sampler.resume(self._resume["epoch"], self._resume["batches"])
+            self._resume = None
+        return self._train_sampler
+
+    def state_dict(self) -> dict:
+        return dict(self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = dict(state)
+        self._resume = dict(state)
+        if self._train_sampler is not None:
+            self._train_sampler.resume(state["epoch"], state["batches"])
+            self._resume = None
+
+
+class DataPositionCallback(L.Callback):
+    """Records (epoch, batches done in it) after every training batch, before checkpoints are written."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        dm = trainer.datamodule
+        if isinstance(dm, ResumableDataMixin):
+            dm.position = {"epoch": trainer.current_epoch, "batches": batch_idx + 1}
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        dm = trainer.datamodule
+        if isinstance(dm, ResumableDataMixin):
+            dm.position = {"epoch": trainer.current_epoch + 1, "batches": 0}

@@ -1,0 +1,135 @@
+"""DeltaNet and Gated DeltaNet: linear-time mixers whose matrix state is edited by the delta rule.
+
+- `deltanet` (Schlag et al. 2021; Yang et al. 2024, "Parallelizing Linear Transformers with the Delta
+  Rule over Sequence Length"): S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T.
+- `gated_deltanet` (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks"; Qwen3-Next's linear layers):
+  S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T with alpha_t = exp(g_t),
+  g_t = -exp(A_log) * softplus(W_a x_t + dt_bias) <= 0 (Mamba-2 parameterisation), and value heads
+  that may be a multiple of the q/k heads (grouped value attention, as Qwen3-Next).
+
+Both: q/k/v through a short causal depthwise conv + SiLU, q/k L2-normalised, scale d_k^-1/2,
+beta = sigmoid(W_beta x), per-head RMSNorm on the output, optionally gated by SiLU(W_g x)
+(on by default for gated_deltanet, as in the paper). `impl="reference"` runs the per-token recurrence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, check_choice
+from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
+from ..registry import register_mixer
+from .recurrent_base import RecurrentMixer, l2norm, upcast
+
+
+@dataclass
+class DeltaNetConfig:
+    name: str = "deltanet"
+    n_heads: Optional[int] = None  # q/k heads (null: model.n_heads)
+    n_v_heads: Optional[int] = None  # value heads = states, a multiple of n_heads (null: n_heads)
+    head_dim: Optional[int] = None  # d_k (null: model head_dim)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
+    chunk_size: int = 64  # chunkwise form's chunk length (any T works)
+    conv_size: int = 4  # short causal depthwise conv on q/k/v; 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "silu"  # after the conv: silu | none
+    allow_neg_eigval: bool = False  # beta in (0, 2) (Grazzi et al. 2024, negative eigenvalues)
+    use_output_norm: bool = True  # per-head RMSNorm on the output
+    use_gate: bool = False  # output gate: norm(o) * silu(W_g x)
+    norm_eps: float = 1e-6
+
+    def sizes(self, model) -> tuple[int, int, int, int]:
+        h = self.n_heads or model.n_heads
+        hv = self.n_v_heads or h
+        dk = self.head_dim or model.head_dim or model.d_model // model.n_heads
+        return h, hv, dk, self.v_head_dim or dk
+
+    def validate(self, model, field: str) -> None:
+        h, hv, dk, dv = self.sizes(model)
+        if hv % h != 0:
+            raise ConfigError(f"n_v_heads={hv} is not a multiple of n_heads={h}", field=f"{field}.n_v_heads")
+        if self.chunk_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
+        if self.conv_size < 0:
+            raise ConfigError(f"must be >= 0 (0 = no conv), got {self.conv_size}", field=f"{field}.conv_size")
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+
+
+@dataclass
+class GatedDeltaNetConfig(DeltaNetConfig):
+    name: str = "gated_deltanet"
+    use_gate: bool = True  # Gated DeltaNet: gated RMSNorm on the output (as Qwen3-Next)
+    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range) (Mamba-2)
+    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
+
+
+class DeltaNet(RecurrentMixer):
+    gated = False
+
+    def __init__(self, cfg: DeltaNetConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        h, hv, dk, dv = cfg.sizes(model_cfg)
+        self.group = hv // h
+        self.chunk_size = cfg.chunk_size
+        self.build(
+            n_qk_heads=h, n_v_heads=hv, qk_dim=dk, v_dim=dv, state_shape=(dk, dv),
+            conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, activation=cfg.qkv_activation,
+            output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps,
+        )
+        self.b_proj = nn.Linear(self.d_model, hv, bias=False)  # beta
+        if self.gated:
+            self.a_proj = nn.Linear(self.d_model, hv, bias=False)  # per-token decay input
+            lo, hi = cfg.A_init_range
+            self.A_log = nn.Parameter(torch.empty(hv).uniform_(lo, hi).log())
+            lo, hi = cfg.dt_init_range
+            dt = torch.exp(torch.empty(hv).uniform_(math.log(lo), math.log(hi)))
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            for p in (self.A_log, self.dt_bias):
+                p._no_weight_decay = True  # fla convention: optimizers may skip decay on these
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """log-decay g = -exp(A_log) * softplus(W_a x + dt_bias) <= 0, (B, T, Hv) in >= fp32."""
+        a = upcast(self.a_proj(x))
+        return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+
+    def mix(self, q, k, v, x, state, mode):
+        q, k = l2norm(q), l2norm(k)
+        beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
+        if self.cfg.allow_neg_eigval:
+            beta = 2 * beta
+        g = self.gate(x) if self.gated else None
+        if self.group > 1:  # grouped values: consecutive value heads share a q/k head
+            q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
+        q, k, v, beta = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), beta.transpose(1, 2)
+        g = None if g is None else g.transpose(1, 2)
+        state = None if state is None else state.to(q.dtype)
+        if mode == "step":
+            o, state = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, None if g is None else g[:, :, 0])
+            o = o[:, :, None]
+        elif mode == "reference":
+            o, state = delta_rule_recurrent(q, k, v, beta, g, state)
+        else:
+            o, state = chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size)
+        return o.transpose(1, 2), state
+
+    def op_flops_per_token(self, context_len: int) -> float:
+        """Chunkwise UT/WY form per value head, chunk C = min(chunk_size, L), per token:
+        6 C Dk + 4 C Dv + C^2/3 + 2 Dk (Dk + Dv) + 4 Dk Dv + 2 Dk^2 Dv / C
+        (A and QK^T; T rhs; the inverse; Kd^T [U|W]; W S0, Q S0; the hand-over M S; P u)."""
+        C = max(1, min(self.chunk_size, context_len))
+        dk, dv = self.state_shape
+        per_head = 6 * C * dk + 4 * C * dv + C * C / 3 + 2 * dk * (dk + dv) + 4 * dk * dv + 2 * dk * dk * dv / C
+        return self.n_v_heads * per_head
+
+
+class GatedDeltaNet(DeltaNet):
+    gated = True
+
+
+register_mixer("deltanet", DeltaNetConfig)(DeltaNet)
+register_mixer("gated_deltanet", GatedDeltaNetConfig)(GatedDeltaNet)

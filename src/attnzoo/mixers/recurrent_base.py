@@ -1,0 +1,137 @@
+"""Shared plumbing of the recurrent mixers (linear attention, DeltaNet, Gated DeltaNet):
+
+    x -> qkv projection -> [short causal conv + activation] -> split q, k, v -> (subclass) recurrence
+      -> [per-head RMSNorm] -> [* SiLU(output gate)] -> output projection
+
+and the fixed-size `RecurrentStateCache` (state + conv tail). Subclasses set the head sizes and
+implement `mix()`; the three forms of the recurrence (reference / chunkwise / one-token step) live in
+`ops/`. Not a mixer itself (no registration).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import RecurrentStateCache
+from .base import Mixer, dtype_bytes
+from .short_conv import ShortConvolution
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the form fla and transformers' Qwen3-Next use)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrent state accumulates over the whole context: never below fp32 (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(state_dtype(x.dtype))
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head output norm: y = x / sqrt(mean(x^2) + eps) * weight, then * silu(gate) when a gate is
+    given (the gated RMSNorm of Gated DeltaNet / Qwen3-Next's RMSNormGated). Computed in >= fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = upcast(x)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
+        return y if gate is None else y * F.silu(upcast(gate))
+
+
+class RecurrentMixer(Mixer):
+    """Subclasses call `build(...)` from __init__ and implement `mix(q, k, v, x, state, mode)`."""
+
+    def build(
+        self,
+        *,
+        n_qk_heads: int,
+        n_v_heads: int,
+        qk_dim: int,
+        v_dim: int,
+        state_shape: tuple[int, int],
+        conv_size: int,
+        conv_bias: bool,
+        activation: str,
+        output_norm: bool,
+        output_gate: bool,
+        norm_eps: float,
+    ) -> None:
+        self.n_qk_heads, self.n_v_heads, self.qk_dim, self.v_dim = n_qk_heads, n_v_heads, qk_dim, v_dim
+        self.state_shape = state_shape  # per value head (Dk_state, Dv_state)
+        self.activation = activation
+        self.qkv_dims = [n_qk_heads * qk_dim, n_qk_heads * qk_dim, n_v_heads * v_dim]
+        self.qkv = nn.Linear(self.d_model, sum(self.qkv_dims), bias=False)  # fused [q | k | v]
+        self.conv = ShortConvolution(sum(self.qkv_dims), conv_size, conv_bias, None) if conv_size > 0 else None
+        self.norm = GatedRMSNorm(v_dim, norm_eps) if output_norm else None
+        self.g_proj = nn.Linear(self.d_model, n_v_heads * v_dim, bias=False) if output_gate else None
+        self.o_proj = nn.Linear(n_v_heads * v_dim, self.d_model, bias=False)
+
+    # ------------------------------------------------------------------ forward
+    def mix(self, q, k, v, x, state: Optional[torch.Tensor], mode: str):
+        """q, k (B, T, Hqk, Dqk), v (B, T, Hv, Dv) in >= fp32; x the mixer input (B, T, d_model);
+        state (B, Hv, *state_shape) or None; mode "reference" | "chunk" | "step".
+        Returns o (B, T, Hv, Dv) and the final state."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[RecurrentStateCache] = None):
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv, tail = self.conv(qkv, None if cache is None else cache.conv_tail)
+            if cache is not None:
+                cache.conv_tail = tail.to(cache.conv_tail.dtype)
+        if self.activation == "silu":
+            qkv = F.silu(qkv)
+        q, k, v = upcast(qkv).split(self.qkv_dims, dim=-1)
+        q = q.view(B, T, self.n_qk_heads, self.qk_dim)
+        k = k.view(B, T, self.n_qk_heads, self.qk_dim)
+        v = v.view(B, T, self.n_v_heads, self.v_dim)
+        if self.impl == "reference":
+            mode = "reference"
+        else:
+            mode = "step" if (cache is not None and T == 1) else "chunk"
+        o, state = self.mix(q, k, v, x, None if cache is None else cache.state, mode)
+        if cache is not None:
+            cache.state = state.to(cache.state.dtype)
+            cache.seen += T
+        gate = None if self.g_proj is None else self.g_proj(x).view(B, T, self.n_v_heads, self.v_dim)
+        if self.norm is not None:
+            o = self.norm(o, gate)
+        elif gate is not None:
+            o = o * F.silu(upcast(gate))
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+    # ------------------------------------------------------------------ cache and accounting
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> RecurrentStateCache:
+        state = torch.zeros(batch, self.n_v_heads, *self.state_shape, dtype=state_dtype(dtype), device=device)
+        tail = None if self.conv is None else self.conv.empty_tail(batch, dtype, device)
+        return RecurrentStateCache(state, tail)
+
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """n_v_heads * Dk * Dv state values (>= fp32) + channels * (K-1) conv-tail values: constant in context."""
+        dk, dv = self.state_shape
+        state = self.n_v_heads * dk * dv * dtype_bytes(state_dtype(dtype))
+        tail = 0 if self.conv is None else self.conv.channels * (self.conv.kernel_size - 1) * dtype_bytes(dtype)
+        return batch * (state + tail)
+
+    def op_flops_per_token(self, context_len: int) -> float:
+        """FLOPs per token of the recurrence itself (subclass: from its chunk algorithm)."""
+        raise NotImplementedError
+
+    def flops_per_token(self, context_len: int) -> float:
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        total = sum(2.0 * m.in_features * m.out_features for m in linears)
+        if self.conv is not None:
+            total += self.conv.flops_per_token()
+        return total + self.op_flops_per_token(context_len)
