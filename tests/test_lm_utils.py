@@ -89,5 +89,5 @@ def test_user_text_folder_and_missing_path(tmp_path):
     (tmp_path / "b.md").write_text("# title\n")
     text, source = load_corpus(str(tmp_path), None)
     assert "hello world" in text and "# title" in text
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(ValueError, match="data.path"):
         load_corpus(str(tmp_path / "nope"), None)

@@ -18,16 +18,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 D = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine OpenMP barriers make
-    each small scatter take milliseconds; restore the setting for the other test files."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_moe(d_model: int = D, dtype=torch.float32, seed: int = 0, **kw) -> MoE:
     """A MoE with O(1) weights (the 0.02 init makes every output tiny and every test too easy)."""
     torch.manual_seed(seed)
@@ -136,6 +126,16 @@ def test_bf16_autocast_runs_close_to_fp32():
         y16 = m(x)
     assert y16.dtype == torch.float32  # the residual stream keeps its dtype
     assert (y16 - y32).norm() / y32.norm() < 0.05
+
+
+def test_bf16_model_keeps_the_balancing_bias_fp32():
+    m = make_moe(n_experts=4, top_k=2, d_ff=16, bias_update_speed=1e-3).train().to(torch.bfloat16)
+    assert m.w_up.dtype == torch.bfloat16 and m.expert_bias.dtype == torch.float32
+    with torch.no_grad():
+        m.expert_bias.fill_(1.0)  # bf16 spacing at 1.0 is 2^-7: a 1e-3 step would be lost
+    m(torch.randn(2, 8, D, dtype=torch.bfloat16))
+    m.after_optimizer_step()
+    assert (m.expert_bias - 1.0).abs().max().item() == pytest.approx(1e-3, rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -475,3 +475,29 @@ def test_moe_preset_composes():
 def test_config_errors_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=rf"model\.ffn\.{field}"):
         resolve_model(tiny_lm_cfg(**bad))
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_end_to_end_with_moe_balances(tmp_path):
+    """`attnzoo-train model/ffn=moe debug=smoke`: the MoE metrics are logged, the load stays bounded
+    (max/mean <= E/K = 4 always; balanced training keeps it well under), params/active < params/total."""
+    train_mod = pytest.importorskip("attnzoo.train")
+    from tests.conftest import SMALL_TEXT, compose_cfg
+
+    out = tmp_path / "run"
+    cfg = compose_cfg(["model/ffn=moe", "debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "trainer.max_steps=12",
+                       "trainer.val_check_interval=6", "perf.decode_tokens=4", "model.ffn.d_ff=32",
+                       "model.ffn.bias_update_speed=0.001"], out)
+    metrics = train_mod.train(cfg)
+    for k in ("moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean", "moe/dropped_frac", "moe/routing_entropy",
+              "moe/layer0/load_max_over_mean", "moe/layer1/load_max_over_mean"):
+        assert k in metrics and math.isfinite(metrics[k]), k
+    assert 1.0 <= metrics["moe/load_max_over_mean"] < 2.0
+    assert metrics["moe/dropped_frac"] == 0.0
+    assert 0.9 < metrics["moe/aux_loss"] < 1.5  # 1 when balanced
+    assert metrics["params/active"] < metrics["params/total"]
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    bias = ckpt["state_dict"]["model.blocks.0.ffn.expert_bias"]
+    assert bias.abs().sum() > 0  # the aux-loss-free bias moved during training and is checkpointed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any
 
 import lightning as L
@@ -14,6 +15,8 @@ from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
 
 log = logging.getLogger("attnzoo")
+# validation metrics are reduced exactly (token-weighted all_gather) in on_validation_epoch_end
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
 
 
 def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):

@@ -93,6 +93,7 @@ class MoEConfig:
 _GROUPED_MM_OK: dict = {}
 
 
+@torch.compiler.disable  # an eager probe, never traced into a compiled graph
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward + backward here (it is private and its support differs
     by device, dtype and version); probed once per (device type, dtype) on a tiny problem."""
@@ -116,8 +117,7 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
     """_grouped_mm needs row strides that are multiples of 16 bytes."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return all((s * item) % 16 == 0 for s in sizes)
+    return all((s * dtype.itemsize) % 16 == 0 for s in sizes)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -171,6 +171,13 @@ class MoE(nn.Module):
 
         self.aux_loss: Optional[torch.Tensor] = None
         self._stats: dict = {}
+
+    def _apply(self, fn, recurse=True):
+        # the balancing state stays fp32 under .to(bf16): gamma-sized steps vanish in bf16's 8-bit mantissa
+        super()._apply(fn, recurse)
+        for name in ("expert_bias", "_load_acc"):
+            self._buffers[name] = self._buffers[name].float()
+        return self
 
     @classmethod
     def build(cls, cfg: MoEConfig, model_cfg, layer_idx: int) -> nn.Module:

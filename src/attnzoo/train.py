@@ -310,10 +310,33 @@ def _record_failure(cfg: DictConfig, err: BaseException) -> None:
     print(f"attnzoo: job failed ({type(err).__name__}: {err}); recorded in {out}/error.txt", file=sys.stderr)
 
 
+def check_group_overrides(args: list[str]) -> str | None:
+    """One-line error for `group=option` overrides naming an option that does not exist (before Hydra's
+    multi-line report). Handles `a,b` multirun lists; leaves sweep functions and `+`/`~` forms to Hydra."""
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "+", "~", "hydra")):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.removeprefix("override ").strip()
+        group_dir = CONF_DIR / key
+        if not group_dir.is_dir() or "(" in value:
+            continue
+        allowed = sorted(p.stem for p in group_dir.glob("*.yaml"))
+        for option in value.split(","):
+            option = option.strip()
+            if option and option != "null" and option not in allowed:
+                return f"{key}: unknown option {option!r}; allowed: {', '.join(allowed)}"
+    return None
+
+
 def main() -> None:
     import hydra
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    problem = check_group_overrides(sys.argv[1:])
+    if problem:
+        print(f"attnzoo: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
 
 

@@ -6,6 +6,8 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
+from ..config import ConfigError
+
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tex", ".html", ".c", ".h")
 
 
@@ -26,13 +28,13 @@ def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str
     else:
         p = Path(path).expanduser()
         if not p.exists():
-            raise FileNotFoundError(f"data.path: {path} does not exist; allowed: a text file or a folder of text files")
+            raise ConfigError(f"{path} does not exist; allowed: a text file or a folder of text files", field="data.path")
         if p.is_file():
             files = [p]
         else:
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
             if not files:
-                raise FileNotFoundError(f"data.path: {path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+                raise ConfigError(f"{path} holds no text files; allowed: {', '.join(TEXT_SUFFIXES)}", field="data.path")
         source = str(p)
     parts, total = [], 0
     for f in files:
@@ -45,7 +47,7 @@ def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str
     if max_chars is not None:
         text = text[:max_chars]
     if not text.strip():
-        raise ValueError(f"data.path: {source} is empty")
+        raise ConfigError(f"{source} is empty; allowed: a non-empty text", field="data.path")
     return text, source
 
 

@@ -160,7 +160,9 @@ class MLA(Mixer):
         q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)  # (B, H, T, r)
         q = torch.cat([q_lat, q_rope], dim=-1).reshape(B, 1, H * T, r + self.dr)  # row h*T + t
         k = latent[:, None]  # (B, 1, S, r + dr)
-        v = k  # values are c_kv = latent[..., :r]; pass all of it (equal head dims keep SDPA's fused kernel), slice after
+        # values are c_kv = latent[..., :r]; passing the whole latent keeps v's head dim equal to q's (SDPA's
+        # fused kernel) and the extra d_r output dims are dropped below
+        v = k
         mask = None
         if T > 1:  # query t (absolute S - T + t) sees keys <= it; same band for every head
             mask = attention_mask(T, S, causal=True, device=q.device).repeat(H, 1)

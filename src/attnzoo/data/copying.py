@@ -1,0 +1,88 @@
+"""`data=copying` (Arjovsky et al. 2016, arXiv:1511.06464) and `data=selective_copying` (Gu & Dao 2023,
+Mamba, arXiv:2312.00752), as decoder-only LM tasks with the loss on the copied tokens only.
+
+Token 0 is the blank, 1 the separator, data tokens come from [2, V). One example is a stream of
+seq_len + 1 tokens, x = stream[:-1] and y = stream[1:]; with n = copy_len:
+
+    copying:            d_1 .. d_n  0 0 .. 0  SEP  d_1 .. d_n      (the blanks are the lag, seq_len - 2n)
+    selective_copying:  0 d_1 0 0 d_2 .. 0 d_n 0  SEP  d_1 .. d_n  (d_i at random ordered positions)
+
+The answer positions are the last n of y.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import check
+from . import register_data
+from .synthetic import SyntheticConfig, SyntheticDataModule, sample_distinct
+
+BLANK, SEP, FIRST_DATA = 0, 1, 2
+
+
+@dataclass
+class CopyingConfig(SyntheticConfig):
+    name: str = "copying"
+    vocab_size: int = 16  # 14 data tokens + blank + separator
+    seq_len: int = 64
+    copy_len: int = 8  # n tokens to reproduce; needs 2n <= seq_len
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        check(self.copy_len >= 1, f"{field}.copy_len", "must be >= 1")
+        check(2 * self.copy_len <= self.seq_len, f"{field}.copy_len",
+              f"{self.copy_len} needs seq_len >= {2 * self.copy_len}; allowed: 1 .. {self.seq_len // 2}")
+        check(self.vocab_size >= 3, f"{field}.vocab_size", "must be >= 3 (blank, separator, one data token)")
+
+
+def _answer_tail(stream: np.ndarray, n: int):
+    """x, y, mask from a (rows, seq_len + 1) stream whose last n tokens are the answers."""
+    x, y = stream[:, :-1], stream[:, 1:].copy()
+    mask = np.zeros(x.shape, dtype=bool)
+    mask[:, -n:] = True
+    y[~mask] = 0
+    return np.ascontiguousarray(x), y, mask
+
+
+def generate_copying(cfg, n_examples: int, rng: np.random.Generator):
+    L, n = cfg.seq_len, cfg.copy_len
+    data = rng.integers(FIRST_DATA, cfg.vocab_size, size=(n_examples, n))
+    stream = np.full((n_examples, L + 1), BLANK, dtype=np.int64)
+    stream[:, :n] = data
+    stream[:, L - n] = SEP
+    stream[:, L + 1 - n :] = data
+    return _answer_tail(stream, n)
+
+
+def generate_selective_copying(cfg, n_examples: int, rng: np.random.Generator):
+    L, n = cfg.seq_len, cfg.copy_len
+    ctx = L - n  # context tokens before the separator
+    data = rng.integers(FIRST_DATA, cfg.vocab_size, size=(n_examples, n))
+    pos = np.sort(sample_distinct(rng, n_examples, 0, ctx, n), axis=1)
+    stream = np.full((n_examples, L + 1), BLANK, dtype=np.int64)
+    stream[np.arange(n_examples)[:, None], pos] = data
+    stream[:, ctx] = SEP
+    stream[:, ctx + 1 :] = data
+    return _answer_tail(stream, n)
+
+
+class _CopyModule(SyntheticDataModule):
+    def task_info(self, cfg) -> dict:
+        return {"copy_len": cfg.copy_len, "seq_len": cfg.seq_len}
+
+
+@register_data("copying", CopyingConfig)
+class CopyingDataModule(_CopyModule):
+    generate = staticmethod(generate_copying)
+
+
+@dataclass
+class SelectiveCopyingConfig(CopyingConfig):
+    name: str = "selective_copying"
+
+
+@register_data("selective_copying", SelectiveCopyingConfig)
+class SelectiveCopyingDataModule(_CopyModule):
+    generate = staticmethod(generate_selective_copying)
