@@ -120,3 +120,26 @@ def test_cli_missing_data_path(tmp_path):
     r = run_cli("debug=smoke", f"data.path={tmp_path}/missing.txt", tmp_path=tmp_path)
     assert r.returncode == 2
     assert "data.path:" in r.stderr and "does not exist" in r.stderr
+
+
+def test_slurm_launcher_composes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4",
+                                                      f"paths.output_dir={tmp_path}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert "SlurmLauncher" in launcher._target_
+    assert launcher.tasks_per_node == 4 and launcher.gpus_per_node == 4 and launcher.nodes == 1
+
+
+def test_ddp_presets():
+    from attnzoo.launch import processes_to_launch
+
+    parts = validate(compose_cfg(["trainer=ddp_cpu"], "/tmp/unused"))
+    assert parts["run"].trainer.strategy == "ddp" and processes_to_launch(parts["run"].trainer) == 2
+    gpu = validate(compose_cfg(["trainer=ddp"], "/tmp/unused"))["run"].trainer
+    assert gpu.accelerator == "gpu" and gpu.devices == -1 and gpu.precision == "bf16-mixed"

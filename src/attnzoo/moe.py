@@ -62,7 +62,8 @@ class MoEConfig:
 
     def validate(self, model, field: str) -> None:
         check(self.n_experts >= 1, f"{field}.n_experts", f"must be >= 1, got {self.n_experts}")
-        check(1 <= self.top_k <= self.n_experts, f"{field}.top_k", f"got {self.top_k}; allowed: 1..n_experts={self.n_experts}")
+        check(1 <= self.top_k <= self.n_experts, f"{field}.top_k",
+              f"got {self.top_k}; allowed: 1..n_experts={self.n_experts}")
         check_choice(self.expert_type, f"{field}.expert_type", ("swiglu", "mlp"))
         check_choice(self.scoring, f"{field}.scoring", ("softmax", "sigmoid"))
         check_choice(self.dispatch, f"{field}.dispatch", ("auto", "grouped_mm", "loop"))
@@ -307,7 +308,8 @@ class MoE(nn.Module):
             y = torch.einsum("ne,ned->nd", combine.to(dt), self.experts_dense(x2.to(dt)))
         else:
             token = order // K  # sorted row -> token
-            xs = x2.to(dt).index_select(0, token)  # (NK, d), grouped by expert (x[token]'s backward is ~50x slower on CPU)
+            # (NK, d) grouped by expert; index_select, because x[token]'s backward is ~50x slower on CPU
+            xs = x2.to(dt).index_select(0, token)
             if slot is None:
                 ys = self.experts_sorted(xs, counts)
             else:
@@ -354,7 +356,9 @@ class MoE(nn.Module):
         with torch.no_grad():
             p = probs.detach()
             entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
-            dropped = torch.zeros((), device=p.device) if keep is None else ((~keep) * m.unsqueeze(-1)).sum() / (K * n_real)
+            dropped = torch.zeros((), device=p.device)
+            if keep is not None:
+                dropped = ((~keep) * m.unsqueeze(-1)).sum() / (K * n_real)
             balance = load.max() / load.mean().clamp_min(1e-9)
             self._stats = {
                 "moe/aux_loss": aux.detach(),

@@ -88,6 +88,10 @@ def measure(models: dict, args, gen: torch.Generator) -> dict:
 
 
 def run(args) -> dict:
+    if getattr(args, "threads", None) is None:
+        # batch-1 decode of a small model is op-overhead bound: one thread is faster and far steadier than
+        # OpenMP hand-offs on a small shared CPU; `attnzoo-bench --threads N cache` overrides
+        torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     models, rows = {}, []
     for name in args.mixers:

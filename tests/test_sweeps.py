@@ -1,0 +1,175 @@
+"""Named sweeps: every sweeps/*.yaml composes and validates; smoke sweeps run end to end as Hydra multiruns
+(jobs one after another in this process); the report equals the runs' summary.json; a failing job is
+recorded and the others finish; wandb offline gives one run per job, grouped by sweep; matched budgets."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+from attnzoo.budget import count_params, match_budget
+from attnzoo.config import ConfigError, validate
+from attnzoo.paths import CONF_DIR, sweeps_dir
+from attnzoo.report import build_report
+from attnzoo.sweep import available
+from attnzoo.sweep import main as sweep_main
+from tests.conftest import SESSION_CACHE, SMALL_TEXT
+
+SWEEPS = available()
+
+
+def compose_sweep(name: str, overrides=()):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=[f"hydra.searchpath=[file://{sweeps_dir().parent}]", f"+sweeps={name}",
+                                           f"paths.cache_dir={SESSION_CACHE}", "paths.output_dir=/tmp/unused", *overrides],
+                       return_hydra_config=True)
+
+
+def grid(cfg) -> dict[str, list[str]]:
+    return {k: [v.strip() for v in _split(str(vals))] for k, vals in cfg.hydra.sweeper.params.items()}
+
+
+def _split(s: str) -> list[str]:
+    """Split a sweep string on top-level commas ('[a,b],[c]' -> ['[a,b]', '[c]'])."""
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
+def test_expected_sweeps_exist():
+    assert {"mixers", "kv_heads", "window", "hybrid_ratio", "moe", "lm"} <= set(SWEEPS)
+
+
+@pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_composes_and_every_value_validates(name, smoke):
+    """Each grid value, with the other keys at their first value, composes and passes validation."""
+    extra = ["debug=smoke"] if smoke else []
+    base = compose_sweep(name, extra)
+    g = grid(base)
+    assert g and all(g.values())
+    first = {k: v[0] for k, v in g.items()}
+    checked = 0
+    for key, values in g.items():
+        for v in values:
+            point = {**first, key: v}
+            cfg = compose_sweep(name, extra + [f"{k}={x}" for k, x in point.items()])
+            with open_dict(cfg):
+                del cfg["hydra"]  # its sweep.subdir needs a running job
+            validate(cfg)  # raises ConfigError on an invalid combination
+            checked += 1
+    assert checked == sum(len(v) for v in g.values())
+    if smoke:
+        assert base.trainer.max_steps <= 10
+
+
+def run_sweep(name: str, sweep_dir: Path, *overrides: str) -> dict:
+    sweep_main([name, "debug=smoke", f"hydra.sweep.dir={sweep_dir}", f"paths.cache_dir={SESSION_CACHE}",
+                "perf.decode_tokens=2", *overrides])
+    return build_report(sweep_dir)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_mixers_smoke_sweep_and_report(tmp_path):
+    d = tmp_path / "mixers"
+    rep = run_sweep("mixers", d, "model/mixer=gqa,deltanet", "data.num_kv_pairs=4", "model.d_model=32",
+                    "optim.lr=1e-3,3e-3", "data.train_size=256", "data.val_size=16")
+    rows = read_csv(d / "report.csv")
+    job_dirs = sorted(p.parent for p in d.glob("*/summary.json"))
+    assert len(rows) == len(job_dirs) == 4
+    for row in rows:
+        summary = json.loads((d / row["job"] / "summary.json").read_text())
+        assert row["status"] == summary["status"] == "ok"
+        for key in ("val/acc", "val/loss", "perf/tokens_per_sec", "cache/bytes_per_token", "params/total"):
+            assert float(row[key]) == summary["metrics"][key], key  # exact: the CSV keeps full precision
+        assert row["mixer"] == summary["model"]["mixers"][0]
+    assert {r["mixer"] for r in rows} == {"gqa", "deltanet"}
+    # best of two learning rates: one row per mixer, the better val/acc of its two jobs
+    assert len(rep["best"]) == 2
+    for b in rep["best"]:
+        accs = [float(r["val/acc"]) for r in rows if r["mixer"] == b["mixer"]]
+        assert b["metrics"]["val/acc"] == max(accs)
+    for name in ("curves.png", "acc_vs_cache.png", "tokens_per_sec.png", "mqar_difficulty.png"):
+        p = d / "plots" / name
+        assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000, name
+    html = (d / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4 and "deltanet" in html
+    md = (d / "report.md").read_text()
+    assert "attnzoo-sweep mixers" in md and md.count("| ok |") == 6  # 2 best rows + 4 job rows
+
+
+def test_failing_job_is_recorded_and_others_finish(tmp_path):
+    d = tmp_path / "kv"
+    rep = run_sweep("kv_heads", d, "model.n_kv_heads=3,2", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
+    rows = {r["job"]: r for r in read_csv(d / "report.csv")}
+    assert rows["0"]["status"] == "failed" and "n_kv_heads" in rows["0"]["error"]
+    assert (d / "0" / "error.txt").is_file()
+    assert rows["1"]["status"] == "ok" and float(rows["1"]["val/loss"]) > 0
+    # 8 query heads, 2 KV heads, head_dim 32/8=4, 2 layers, K and V, fp32
+    assert float(rows["1"]["cache/bytes_per_token"]) == 2 * 2 * 2 * 4 * 4
+    assert "**FAILED**" in (d / "report.md").read_text() and "class='failed'" in (d / "report.html").read_text()
+    assert [j["status"] for j in rep["jobs"]] == ["failed", "ok"]
+
+
+def test_wandb_offline_one_run_per_job_grouped_by_sweep(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    d = tmp_path / "window_sweep"
+    run_sweep("window", d, "logger=wandb", "model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
+    runs = sorted(d.glob("*/wandb/offline-run-*"))
+    assert len(runs) == 2 and len({r.parent.parent for r in runs}) == 2  # one run in each job's directory
+    for r in runs:
+        blob = b"".join(p.read_bytes() for p in r.glob("*.wandb"))
+        assert b"window_sweep" in blob  # the group: the sweep directory's name
+    assert all(r["status"] == "ok" for r in read_csv(d / "report.csv"))
+
+
+def test_unknown_sweep_exits_with_status_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep_main(["no_such_sweep"])
+    assert e.value.code == 2 and "mixers" in capsys.readouterr().err
+
+
+def test_report_without_jobs_fails(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        build_report(tmp_path)
+
+
+# ----------------------------------------------------------------------------- matched budgets
+
+
+def tiny(ffn="swiglu", mixer="gqa"):
+    return {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}, "ffn": {"name": ffn}}
+
+
+@pytest.mark.parametrize("target", [60_000, 150_000], ids=["60k", "150k"])
+def test_budget_matches_ffn_width(target):
+    cfg, info = match_budget(tiny(), 256, target)
+    got = count_params(cfg, 256)
+    assert abs(got - target) <= 0.02 * target and info["budget/params"] == got
+    assert cfg["ffn"]["d_ff"] == info["budget/value"] and info["budget/field"] == "model.ffn.d_ff"
+    # the non-embedding count excludes the 256 x 64 token table
+    assert count_params(cfg, 256, "total") == got + 256 * 64
+
+
+def test_budget_without_ffn_sets_head_dim_and_rejects_unreachable():
+    cfg, info = match_budget(tiny("none"), 256, 40_000)
+    assert cfg["head_dim"] % 2 == 0 and abs(count_params(cfg, 256) - 40_000) <= 800
+    with pytest.raises(ConfigError, match="model_budget.params"):
+        match_budget(tiny(), 256, 10)  # below what the rest of the model already holds
