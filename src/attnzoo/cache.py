@@ -41,7 +41,9 @@ class KVCache(LayerCache):
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new (B, Hkv, t, D) keys/values; return all keys/values so far."""
         if self.k is None:
-            self.k, self.v = k, v
+            # own copies: k/v may be views into the fused qkv activation, which would stay alive
+            # (and uncounted) behind them
+            self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
         else:
             self.k = torch.cat([self.k, k], dim=2)
             self.v = torch.cat([self.v, v], dim=2)

@@ -261,6 +261,8 @@ class MoE(nn.Module):
         if mode == "loop":
             return False
         ok = grouped_mm_works(xs.device, xs.dtype) and _aligned(self.d_model, self.hidden, dtype=xs.dtype)
+        # torch.compile's shape function for _grouped_mm accepts bf16 only (torch 2.13)
+        ok = ok and (xs.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
         if mode == "grouped_mm" and not ok:
             raise RuntimeError(f"torch._grouped_mm is unavailable for {xs.device.type}/{xs.dtype}/d={self.d_model},"
                                f"h={self.hidden}; set dispatch=auto or loop")

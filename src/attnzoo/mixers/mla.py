@@ -54,12 +54,16 @@ class MLAConfig:
 
     def sizes(self, model) -> dict:
         hd = model.head_dim or model.d_model // model.n_heads
+
+        def pick(value, default):  # null -> default; 0 stays 0 so validate() rejects it
+            return default if value is None else value
+
         return {
             "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank or 4 * hd,
-            "qk_nope_head_dim": self.qk_nope_head_dim or hd,
-            "qk_rope_head_dim": self.qk_rope_head_dim or max(2, hd // 2 - (hd // 2) % 2),
-            "v_head_dim": self.v_head_dim or hd,
+            "kv_lora_rank": pick(self.kv_lora_rank, 4 * hd),
+            "qk_nope_head_dim": pick(self.qk_nope_head_dim, hd),
+            "qk_rope_head_dim": pick(self.qk_rope_head_dim, max(2, hd // 2 - (hd // 2) % 2)),
+            "v_head_dim": pick(self.v_head_dim, hd),
         }
 
     def validate(self, model, field: str) -> None:
