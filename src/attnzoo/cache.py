@@ -168,3 +168,12 @@ class RecurrentStateCache(LayerCache):
     @property
     def seq_len(self) -> int:
         return self.seen
+
+
+class CrossAttentionCache(LayerCache):
+    """Encoder-decoder cross-attention (attnzoo.encdec): the keys/values of the encoder memory, projected
+    once per source and reused by every decoding step. k, v of shape (B, n_kv_heads, S, head_dim).
+    Bytes do not grow with the generated length."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v

@@ -103,11 +103,13 @@ class LitLM(L.LightningModule):
     def _loss(self, batch, return_logits: bool = False):
         """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
 
-        A batch is (x, y) or (x, y, loss_mask): with a mask only its True positions count (synthetic
-        tasks: the answer positions; padding never counts)."""
+        A batch is (x, y), (x, y, loss_mask) or (x, y, loss_mask, token_mask): with a loss mask only its
+        True positions count (synthetic tasks: the answer positions); token_mask marks real (non-padding)
+        tokens for routed FFNs' balancing (default: all tokens are real)."""
         x, y = batch[0], batch[1]
         mask = batch[2] if len(batch) > 2 else None
-        logits = self._fwd(x, token_mask=mask)
+        token_mask = batch[3] if len(batch) > 3 else None
+        logits = self._fwd(x, token_mask=token_mask)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         if mask is not None:
             m = mask.reshape(-1).to(ce.dtype)

@@ -23,13 +23,6 @@ from .paths import CONF_DIR
 
 log = logging.getLogger("attnzoo")
 
-SUMMARY_KEYS = [
-    "val/loss", "val/ppl", "val/acc", "train/loss", "perf/tokens_per_sec", "perf/step_ms", "perf/mfu",
-    "perf/flops_per_token", "mem/peak_bytes", "params/total", "params/active", "cache/bytes_per_token",
-    "cache/bytes_at_ctx", "perf/decode_tokens_per_sec",
-]
-
-
 def flatten(d: Any, prefix: str = "") -> dict:
     """{'model': {'d_model': 8}} -> {'model.d_model': 8}; lists become strings (dashboard filters)."""
     out = {}

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2, help="torch.set_num_threads for this benchmark")
     p.add_argument("--min-time", type=float, default=0.4, help="seconds of repeats per measurement")
-    p.add_argument("--recurrent-max-len", type=int, default=4096, help="skip the slow recurrence above this T")
+    p.add_argument("--recurrent-max-len", type=int, default=2048, help="skip the slow recurrence above this T (keeps the default run short)")
     p.add_argument(
         "--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
         help="torch.set_flush_denormal for every form (decays make subnormal floats, 10-100x slower on x86)",

@@ -52,7 +52,10 @@ class _UnitLowerSolve(torch.autograd.Function):
 def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """X with (I + tril_{-1}(A)) X = rhs, batched over leading dims; A (..., C, C), rhs (..., C, D).
     Only the strict lower triangle of A is read (the UT transform of the delta rule)."""
-    return _UnitLowerSolve.apply(A, rhs)
+    if torch.is_grad_enabled() and (A.requires_grad or rhs.requires_grad):
+        return _UnitLowerSolve.apply(A, rhs)
+    # inference: solve directly (no inverse, no extra matmul), same transposed right-hand form
+    return torch.linalg.solve_triangular(A.mT, rhs.mT, upper=True, unitriangular=True, left=False).mT
 
 
 def decay_exp(log_decay: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:

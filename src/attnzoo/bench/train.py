@@ -1,0 +1,201 @@
+"""`attnzoo-bench train`: framework overhead and MFU of the training step.
+
+For each precision, in one process and one run:
+- `bare`: the model, data, AdamW (same param groups, betas, eps, weight decay), LR schedule, gradient
+  clipping and autocast of the attnzoo run, in a plain PyTorch loop;
+- `attnzoo`: `attnzoo.train.train(cfg)` itself (Lightning Trainer, our callbacks, CSV logging, checkpoint
+  at the end), read back from its `perf/tokens_per_sec`.
+Both warm up for `--steps` optimizer steps and then time `--steps` more the same way ThroughputMonitor
+does (wall clock from the first timed batch's start to the last batch's end; data loading included).
+MFU = tokens/s x analytic train FLOPs/token / the dense matmul peak of the same dtype measured in this
+process (`attnzoo.flops.measure_matmul_peak`, the number `train()` is also given).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HELP = "training-step tokens/s: full attnzoo path (Lightning) vs a bare PyTorch loop, and MFU vs measured matmul peak"
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=6)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--mixer", default="gqa")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps (after as many warm-up steps)")
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--compile", action="store_true", help="add rows with torch.compile (compile=true)")
+    p.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for both paths")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
+
+
+def quick(args) -> None:
+    """Shrink a parsed namespace to a few seconds' work (tests)."""
+    args.d_model, args.n_layers, args.n_heads, args.n_kv_heads = 32, 2, 4, 2
+    args.seq_len, args.batch, args.steps = 32, 4, 2
+    args.overrides = [*args.overrides, "data.tokenizer=char", "data.max_chars=20000"]
+
+
+def base_overrides(args, precision: str, out: Path) -> list[str]:
+    """Hydra overrides for a run of exactly 2 x steps optimizer steps, no validation, decode or sampling."""
+    return [
+        f"model.d_model={args.d_model}", f"model.n_layers={args.n_layers}", f"model.n_heads={args.n_heads}",
+        f"model.n_kv_heads={args.n_kv_heads}", f"model/mixer={args.mixer}", f"model.max_seq_len={max(args.seq_len, 64)}",
+        f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
+        f"trainer.max_steps={2 * args.steps}", f"trainer.val_check_interval={2 * args.steps}",
+        "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", f"trainer.precision={precision}",
+        "callbacks.save_best=false", "perf.measure_decode=false", "sample.max_new_tokens=0",
+        f"paths.output_dir={out}", *args.overrides,
+    ]
+
+
+def compose(overrides: list[str]):
+    from ..api import load_config
+
+    cfg = load_config(overrides)
+    cfg.paths.output_dir = [o.split("=", 1)[1] for o in overrides if o.startswith("paths.output_dir=")][-1]
+    return cfg
+
+
+@contextlib.contextmanager
+def throughput_window(steps: int):
+    """train() builds ThroughputMonitor with its default 10-step window; time the last `steps` instead."""
+    from .. import callbacks
+
+    original = callbacks.ThroughputMonitor
+
+    class Windowed(original):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "window": steps})
+
+    callbacks.ThroughputMonitor = Windowed
+    try:
+        yield
+    finally:
+        callbacks.ThroughputMonitor = original
+
+
+def attnzoo_run(overrides: list[str], steps: int) -> dict:
+    """`train()` on the composed config; returns its final metrics (perf/tokens_per_sec of the last window)."""
+    from ..train import train
+
+    with throughput_window(steps):
+        return train(compose(overrides))
+
+
+def bare_run(overrides: list[str], steps: int) -> dict:
+    """The same model, data and optimizer as `train()` builds, stepped in a plain loop."""
+    import lightning as L
+
+    from omegaconf import OmegaConf
+
+    from ..config import OptimConfig, SchedulerConfig, validate
+    from ..data import build_datamodule
+    from ..lit import LitLM, lr_lambda, param_groups
+
+    cfg = compose(overrides)
+    parts = validate(cfg)
+    run, data_cfg = parts["run"], parts["data"]
+    L.seed_everything(run.seed, workers=True, verbose=False)
+    dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
+    dm.setup("fit")
+    container = OmegaConf.to_container(cfg, resolve=True)
+    model = LitLM(container, vocab_size=dm.vocab_size).model  # same construction and init as train()
+    model.train()
+    # the optimizer and schedule of LitLM.configure_optimizers, from the same config sections
+    o = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), container.get("optim", {})))
+    s = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), container.get("scheduler", {})))
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s, run.trainer.max_steps, model.cfg.d_model))
+    clip = run.trainer.gradient_clip_val
+    prec = run.trainer.precision
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec.startswith("bf16") else contextlib.nullcontext
+    V = model.cfg.vocab_size
+    tokens, t0 = 0, None
+    batches = itertools.chain.from_iterable(iter(dm.train_dataloader()) for _ in itertools.count())
+    for step in range(2 * steps):
+        x, y = next(batches)[:2]
+        if step == steps:
+            t0 = time.perf_counter()
+        with autocast():
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, V), y.reshape(-1))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= steps:
+            tokens += x.numel()
+    dt = time.perf_counter() - t0
+    return {"perf/tokens_per_sec": tokens / dt, "perf/step_ms": 1000 * dt / steps, "train/loss": float(loss)}
+
+
+def flops_per_token(overrides: list[str], vocab_size: int) -> float:
+    from ..flops import train_flops_per_token
+    from ..model import DecoderLM
+
+    cfg = compose(overrides)
+    return train_flops_per_token(DecoderLM(cfg.model, vocab_size=vocab_size), cfg.data.seq_len)
+
+
+def run(args) -> dict:
+    from ..flops import measure_matmul_peak, precision_dtype
+
+    if args.quick:
+        quick(args)
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="attnzoo-bench-train-") as tmp:
+        for prec in args.precisions:
+            dtype = precision_dtype(prec)
+            peak = measure_matmul_peak(dtype, "cpu", 1024, 1.0)
+            variants = [("bare", False), ("attnzoo", False)] + ([("attnzoo+compile", True)] if args.compile else [])
+            res, fpt = {}, None
+            for name, compiled in variants:
+                ov = base_overrides(args, prec, Path(tmp) / f"{prec}-{name}") + [f"perf.peak_flops={peak}"]
+                if compiled:
+                    ov.append("compile=true")
+                m = bare_run(ov, args.steps) if name == "bare" else attnzoo_run(ov, args.steps)
+                if fpt is None:
+                    fpt = m.get("perf/flops_per_token") or flops_per_token(ov, _vocab(ov))
+                res[name] = m
+            for name, m in res.items():
+                tps = m["perf/tokens_per_sec"]
+                rows.append({
+                    "precision": prec, "path": name, "tokens/s": tps, "step ms": m["perf/step_ms"],
+                    "vs bare": tps / res["bare"]["perf/tokens_per_sec"], "GFLOP/s": tps * fpt / 1e9,
+                    "peak GFLOP/s": peak / 1e9, "MFU": tps * fpt / peak,
+                })
+    notes.append(
+        f"model: {args.mixer} d_model={args.d_model} n_layers={args.n_layers} heads={args.n_heads}/{args.n_kv_heads}kv, "
+        f"swiglu, rope, rmsnorm; data=text seq_len={args.seq_len} batch={args.batch}; {args.steps} warm-up + "
+        f"{args.steps} timed steps per row; threads={torch.get_num_threads()}."
+    )
+    notes.append("peak = best n=1024 dense matmul of the row's dtype measured in this process (bf16-mixed: bf16 matmul).")
+    return {"title": "Training step: attnzoo (Lightning) vs bare PyTorch, MFU", "columns": COLUMNS, "rows": rows,
+            "notes": notes}
+
+
+COLUMNS = ["precision", "path", "tokens/s", "step ms", "vs bare", "GFLOP/s", "peak GFLOP/s", "MFU"]
+
+
+def _vocab(overrides: list[str]) -> int:
+    from ..config import validate
+    from ..data import build_datamodule
+
+    parts = validate(compose(overrides))
+    dm = build_datamodule(parts["data"], cache_dir=parts["run"].paths.cache_dir, seed=parts["run"].seed)
+    dm.setup("fit")
+    return dm.vocab_size

@@ -1,0 +1,187 @@
+"""LightningModules for the encoder-decoder (`LitSeq2Seq`) and the encoder-only masked LM (`LitMLM`).
+
+`build_lit(container, dm)` picks one from `model.name` (encdec | encoder); `train()` calls it in place of
+LitLM, so everything about these models stays in this file.
+
+LitSeq2Seq: teacher forcing with label-smoothed cross-entropy (Szegedy et al. 2016; the paper's eps_ls = 0.1,
+`model.encdec.label_smoothing`) over the real target tokens (EOS included, padding never); validation logs
+`val/loss` and `val/ppl` (plain cross-entropy, teacher forced), `val/token_acc` (teacher-forced next-token
+accuracy) and `val/acc` = exact match of the whole greedy-decoded output (every token and the EOS right).
+LitMLM: BERT's 15% masking with the 80/10/10 rule on the text blocks; loss, `val/acc` on the chosen tokens.
+Both: AdamW with LitLM's parameter groups; the schedule of `scheduler` (Noam when the config has none).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from .config import OptimConfig, SchedulerConfig
+from .encdec import EncoderDecoder, EncoderMLM, mask_tokens
+from .lit import NonFiniteLossError, lr_lambda, param_groups
+
+log = logging.getLogger("attnzoo")
+
+ENCODER_MODELS = ("encdec", "encoder")
+
+
+def build_lit(container: dict, dm) -> L.LightningModule:
+    """The LightningModule for `model.name` encdec (LitSeq2Seq) or encoder (LitMLM), sized from the datamodule."""
+    name = container["model"].get("name")
+    if name == "encdec":
+        return LitSeq2Seq(container, vocab_size=dm.vocab_size, pad_id=getattr(dm, "pad_id", 0),
+                          bos_id=getattr(dm, "bos_id", 1), eos_id=getattr(dm, "eos_id", 2))
+    if name == "encoder":
+        return LitMLM(container, vocab_size=dm.vocab_size)
+    raise ValueError(f"model.name: got {name!r}; allowed: {', '.join(ENCODER_MODELS)}")
+
+
+class _Base(L.LightningModule):
+    """Optimizer, schedule and the non-finite-loss policy shared by both modules."""
+
+    def _setup(self, cfg: dict) -> None:
+        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
+        sched = cfg.get("scheduler") or {"name": "noam", "warmup_steps": 4000, "min_lr_ratio": 0.0}
+        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), sched))
+        self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
+        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
+
+    def _check_finite(self, loss: torch.Tensor) -> bool:
+        if self.on_nonfinite == "ignore" or torch.isfinite(loss):
+            return True
+        if self.on_nonfinite == "skip":
+            log.warning("non-finite training loss at step %d: step skipped", self.global_step)
+            return False
+        raise NonFiniteLossError(f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
+                                 f"lower optim.lr, or set on_nonfinite=skip to skip such steps")
+
+    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        if self.trainer.world_size > 1:
+            return self.all_gather(stats).reshape(-1, stats.numel()).sum(0)
+        return stats
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim_cfg
+        opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+def masked_ce(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, smoothing: float = 0.0):
+    """(summed cross-entropy over mask, count): logits (B, T, V), target/mask (B, T)."""
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none",
+                         label_smoothing=smoothing)
+    m = mask.reshape(-1).to(ce.dtype)
+    return (ce * m).sum(), m.sum()
+
+
+def exact_match(pred: torch.Tensor, tgt_out: torch.Tensor, tgt_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the decoded tokens equal the target on every real position (EOS included). pred (B, <=T)."""
+    T = tgt_out.shape[1]
+    if pred.shape[1] < T:
+        pred = F.pad(pred, (0, T - pred.shape[1]), value=-1)
+    return ((pred[:, :T] == tgt_out) | ~tgt_mask).all(dim=1)
+
+
+class LitSeq2Seq(_Base):
+    """Batches (src, tgt_in, tgt_out, src_mask, tgt_mask) from data/seq2seq.py."""
+
+    def __init__(self, cfg: dict, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
+        super().__init__()
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id})
+        self.model = EncoderDecoder(cfg["model"], vocab_size=vocab_size)
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        self._setup(cfg)
+        self._val = None
+
+    def forward(self, src, tgt_in, src_mask=None):
+        return self.model(src, tgt_in, src_mask)
+
+    def training_step(self, batch, batch_idx: int):
+        src, tgt_in, tgt_out, src_mask, tgt_mask = batch
+        total, count = masked_ce(self.model(src, tgt_in, src_mask), tgt_out, tgt_mask, self.model.opts.label_smoothing)
+        loss = total / count.clamp_min(1)
+        if not self._check_finite(loss):
+            return None
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        # [summed ce, target tokens, correct tokens (teacher forced), exact-match sequences, sequences]
+        self._val = torch.zeros(5, device=self.device, dtype=torch.float64)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        src, tgt_in, tgt_out, src_mask, tgt_mask = batch
+        logits = self.model(src, tgt_in, src_mask)
+        total, count = masked_ce(logits, tgt_out, tgt_mask)
+        tok = ((logits.argmax(-1) == tgt_out) & tgt_mask).sum()
+        pred = self.model.generate(src, src_mask, max_new_tokens=tgt_out.shape[1], bos_id=self.bos_id,
+                                   eos_id=self.eos_id, pad_id=self.pad_id)
+        exact = exact_match(pred, tgt_out, tgt_mask).sum()
+        self._val += torch.stack([total.double(), count.double(), tok.double(), exact.double(),
+                                  torch.tensor(float(src.shape[0]), device=self.device, dtype=torch.float64)])
+
+    def on_validation_epoch_end(self) -> None:
+        total, count, tok, exact, n = self._reduce(self._val)
+        val_loss = (total / count.clamp_min(1)).float()
+        self.log("val/loss", val_loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(val_loss.clamp(max=50)))
+        self.log("val/token_acc", (tok / count.clamp_min(1)).float())
+        self.log("val/acc", (exact / n.clamp_min(1)).float(), prog_bar=True)
+
+
+class LitMLM(_Base):
+    """Masked LM on the text datamodule's blocks (x, y[, mask]): x is masked here, y is ignored.
+
+    The model's vocabulary is the tokenizer's plus one `[MASK]` id (= the tokenizer's vocab_size), so any
+    text tokenizer works without a reserved mask token; random replacements come from the real tokens."""
+
+    def __init__(self, cfg: dict, vocab_size: int):
+        super().__init__()
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
+        self.text_vocab, self.mask_id = vocab_size, vocab_size
+        self.model = EncoderMLM(cfg["model"], vocab_size=vocab_size + 1)
+        self._setup(cfg)
+        self._val = None
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def _step(self, x: torch.Tensor, generator=None):
+        inp, chosen = mask_tokens(x, self.mask_id, self.text_vocab, self.model.opts.mlm_prob, generator)
+        logits = self.model(inp)
+        total, count = masked_ce(logits, x, chosen)
+        return total, count, logits, chosen
+
+    def training_step(self, batch, batch_idx: int):
+        total, count, _, _ = self._step(batch[0])
+        loss = total / count.clamp_min(1)
+        if not self._check_finite(loss):
+            return None
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val = torch.zeros(3, device=self.device, dtype=torch.float64)  # [summed ce, chosen, correct]
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x = batch[0]
+        g = torch.Generator(device=x.device).manual_seed(1000 + batch_idx)  # the same masks every validation
+        total, count, logits, chosen = self._step(x, g)
+        correct = ((logits.argmax(-1) == x) & chosen).sum()
+        self._val += torch.stack([total.double(), count.double(), correct.double()])
+
+    def on_validation_epoch_end(self) -> None:
+        total, count, correct = self._reduce(self._val)
+        val_loss = (total / count.clamp_min(1)).float()
+        self.log("val/loss", val_loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(val_loss.clamp(max=50)))
+        self.log("val/acc", (correct / count.clamp_min(1)).float(), prog_bar=True)

@@ -1,0 +1,88 @@
+"""Smoke tests of the performance benchmarks (bench/train.py, hf.py, mixers.py, ddp.py): each runs on tiny
+sizes and writes well-formed JSON + markdown. Performance itself is reported, never asserted."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from attnzoo.bench import cli
+from attnzoo.bench.mixers import PeakMemory
+from attnzoo.registry import MIXERS
+
+from .conftest import SESSION_CACHE
+
+CACHE = [f"paths.cache_dir={SESSION_CACHE}"]
+
+
+def run_bench(tmp_path, *argv: str) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        cli.main(["--out", str(tmp_path), "--threads", "1", *argv])
+    finally:
+        torch.set_num_threads(threads)
+    name = argv[0]
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    md = (tmp_path / f"{name}.md").read_text()
+    assert result["rows"] and result["columns"] and result["command"].startswith("attnzoo-bench")
+    assert md.count("\n|") >= len(result["rows"]) + 1  # header + separator + one line per row
+    for row in result["rows"]:
+        assert set(row) <= set(result["columns"]), row
+    return result
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_train_overhead_and_mfu(tmp_path):
+    res = run_bench(tmp_path, "train", "--quick", "--precisions", "32-true", "--overrides", *CACHE)
+    paths = {r["path"]: r for r in res["rows"]}
+    assert set(paths) == {"bare", "attnzoo"}
+    assert paths["bare"]["vs bare"] == 1.0
+    for r in paths.values():
+        assert positive(r["tokens/s"]) and positive(r["MFU"]) and r["MFU"] < 1.5
+        assert r["GFLOP/s"] == pytest.approx(r["MFU"] * r["peak GFLOP/s"])
+
+
+def test_hf_same_weights_same_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    res = run_bench(tmp_path, "hf", "--quick")
+    measures = [r["measure"] for r in res["rows"]]
+    assert measures[:4] == ["prefill fp32", "train fp32", "prefill bf16", "train bf16"]
+    decode = [r for r in res["rows"] if r["measure"] == "decode fp32"]
+    assert len(decode) == 2 and all(r["same tokens"] == "yes" for r in decode)  # greedy decoding agrees
+    assert all(positive(r["attnzoo / transformers"]) for r in res["rows"])
+    assert (tmp_path / "hf.png").stat().st_size > 0
+
+
+def test_mixers_every_registered_mixer_with_plot(tmp_path):
+    res = run_bench(tmp_path, "mixers", "--quick")
+    seen = {(r["mixer"], r["T"]) for r in res["rows"]}
+    assert seen == {(m, T) for m in MIXERS.names() for T in (32, 64)}
+    assert all(positive(r["fwd tokens/s"]) and positive(r["peak MiB"]) for r in res["rows"])
+    assert (tmp_path / "mixers.png").stat().st_size > 0
+
+
+def test_ddp_one_and_two_processes(tmp_path):
+    res = run_bench(tmp_path, "ddp", "--quick", "--overrides", *CACHE)
+    by_procs = {r["processes"]: r for r in res["rows"]}
+    assert set(by_procs) == {1, 2}
+    two = by_procs[2]
+    assert two["tokens/s per process"] == pytest.approx(two["tokens/s (all)"] / 2)
+    assert positive(two["per process vs 1 process"])
+
+
+def test_peak_memory_counts_live_storages_once():
+    x = torch.randn(256, 256)  # 256 KiB, created outside: not counted
+    with PeakMemory() as pm:
+        a = x + 1  # 256 KiB
+        b = a.view(-1)  # a view: same storage, not counted again
+        c = (b * 2).sum()  # 256 KiB temporary, then 4 bytes
+        del a, b
+        d = x * 3  # a's storage is free again: the peak stays at 2 tensors
+    assert pm.peak == 2 * 256 * 256 * 4 + 4  # a + the temporary b * 2 + the scalar sum
+    assert pm.live == 256 * 256 * 4 + 4  # d and c remain
+    del c, d
