@@ -12,7 +12,7 @@ from attnzoo.bench import cli
 from attnzoo.bench.mixers import PeakMemory
 from attnzoo.registry import MIXERS
 
-from .conftest import SESSION_CACHE
+from tests.conftest import SESSION_CACHE
 
 CACHE = [f"paths.cache_dir={SESSION_CACHE}"]
 
@@ -66,6 +66,7 @@ def test_mixers_every_registered_mixer_with_plot(tmp_path):
     assert (tmp_path / "mixers.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # starts 2 worker processes (~30-60 s on 2 busy cores)
 def test_ddp_one_and_two_processes(tmp_path):
     res = run_bench(tmp_path, "ddp", "--quick", "--overrides", *CACHE)
     by_procs = {r["processes"]: r for r in res["rows"]}

@@ -74,6 +74,7 @@ class ModelConfig:
     # `mixer` itself when the names match).
     pattern: Any = None
     mixers: Dict[str, Any] = field(default_factory=dict)
+    encdec: Any = None  # encoder-decoder / encoder-only options (attnzoo.encdec.EncDecOptions), model=encdec|encoder
 
 
 @dataclass

@@ -149,6 +149,7 @@ def train(cfg: DictConfig) -> dict:
     from .flops import precision_dtype
     from .launch import launch_workers, processes_to_launch
     from .lit import LitLM
+    from .model import DecoderLM
 
     t_start = time.perf_counter()
     parts = validate(cfg)  # every config error surfaces here, before any work
@@ -167,7 +168,12 @@ def train(cfg: DictConfig) -> dict:
         launch_workers(container, out, n_workers)
         return json.loads((out / "summary.json").read_text())["metrics"]
 
-    lit = LitLM(container, vocab_size=dm.vocab_size)
+    if parts["model"].name in ("encdec", "encoder"):  # the original Transformer's families (issue 9)
+        from .lit_seq2seq import build_lit
+
+        lit = build_lit(container, dm)
+    else:
+        lit = LitLM(container, vocab_size=dm.vocab_size)
     if run.compile:
         lit.compile_model()
     model = lit.model
@@ -230,10 +236,11 @@ def train(cfg: DictConfig) -> dict:
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
-    if run.perf.measure_decode and trainer.is_global_zero:
+    decoder_only = isinstance(model, DecoderLM)
+    if run.perf.measure_decode and trainer.is_global_zero and decoder_only:
         metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
     sample = None
-    if run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt and trainer.is_global_zero:
+    if decoder_only and run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt and trainer.is_global_zero:
         ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
         g = torch.Generator(device=lit.device).manual_seed(run.seed)
         outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,

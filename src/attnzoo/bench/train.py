@@ -34,8 +34,12 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps (after as many warm-up steps)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per row, order reversed every other repeat (ABBA); the fastest is kept")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
-    p.add_argument("--compile", action="store_true", help="add rows with torch.compile (compile=true)")
+    p.add_argument("--compile", action="store_true", help="add a row with torch.compile (compile=true)")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="add rows with AdamW(fused=True) patched in for both paths (LitLM uses fused=False)")
     p.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for both paths")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
 
@@ -64,6 +68,7 @@ def compose(overrides: list[str]):
     from ..api import load_config
 
     cfg = load_config(overrides)
+    # load_config appends paths.output_dir=. (no Hydra run dir); ours must win
     cfg.paths.output_dir = [o.split("=", 1)[1] for o in overrides if o.startswith("paths.output_dir=")][-1]
     return cfg
 
@@ -84,6 +89,22 @@ def throughput_window(steps: int):
         yield
     finally:
         callbacks.ThroughputMonitor = original
+
+
+@contextlib.contextmanager
+def fused_adamw():
+    """torch.optim.AdamW with fused=True (one multi-tensor kernel, CPU and CUDA) wherever it is built."""
+    original = torch.optim.AdamW
+
+    class FusedAdamW(original):
+        def __init__(self, params, *a, **kw):
+            super().__init__(params, *a, **{**kw, "fused": True})
+
+    torch.optim.AdamW = FusedAdamW
+    try:
+        yield
+    finally:
+        torch.optim.AdamW = original
 
 
 def attnzoo_run(overrides: list[str], steps: int) -> dict:
@@ -140,15 +161,7 @@ def bare_run(overrides: list[str], steps: int) -> dict:
         if step >= steps:
             tokens += x.numel()
     dt = time.perf_counter() - t0
-    return {"perf/tokens_per_sec": tokens / dt, "perf/step_ms": 1000 * dt / steps, "train/loss": float(loss)}
-
-
-def flops_per_token(overrides: list[str], vocab_size: int) -> float:
-    from ..flops import train_flops_per_token
-    from ..model import DecoderLM
-
-    cfg = compose(overrides)
-    return train_flops_per_token(DecoderLM(cfg.model, vocab_size=vocab_size), cfg.data.seq_len)
+    return {"perf/tokens_per_sec": tokens / dt, "perf/step_ms": 1000 * dt / steps, "train/loss": float(loss.detach())}
 
 
 def run(args) -> dict:
@@ -161,16 +174,20 @@ def run(args) -> dict:
         for prec in args.precisions:
             dtype = precision_dtype(prec)
             peak = measure_matmul_peak(dtype, "cpu", 1024, 1.0)
-            variants = [("bare", False), ("attnzoo", False)] + ([("attnzoo+compile", True)] if args.compile else [])
-            res, fpt = {}, None
-            for name, compiled in variants:
-                ov = base_overrides(args, prec, Path(tmp) / f"{prec}-{name}") + [f"perf.peak_flops={peak}"]
-                if compiled:
-                    ov.append("compile=true")
-                m = bare_run(ov, args.steps) if name == "bare" else attnzoo_run(ov, args.steps)
-                if fpt is None:
-                    fpt = m.get("perf/flops_per_token") or flops_per_token(ov, _vocab(ov))
-                res[name] = m
+            variants = ["bare", "attnzoo"]
+            variants += ["bare+fused-adamw", "attnzoo+fused-adamw"] if args.fused_adamw else []
+            variants += ["attnzoo+compile"] if args.compile else []
+            res = {}
+            for rep in range(args.repeats):
+                for name in variants if rep % 2 == 0 else variants[::-1]:
+                    ov = base_overrides(args, prec, Path(tmp) / f"{prec}-{name}-{rep}") + [f"perf.peak_flops={peak}"]
+                    if "compile" in name:
+                        ov.append("compile=true")
+                    with fused_adamw() if "fused-adamw" in name else contextlib.nullcontext():
+                        m = bare_run(ov, args.steps) if name.startswith("bare") else attnzoo_run(ov, args.steps)
+                    if name not in res or m["perf/tokens_per_sec"] > res[name]["perf/tokens_per_sec"]:
+                        res[name] = m
+            fpt = res["attnzoo"]["perf/flops_per_token"]  # the bare rows' model is the same
             for name, m in res.items():
                 tps = m["perf/tokens_per_sec"]
                 rows.append({
@@ -181,7 +198,7 @@ def run(args) -> dict:
     notes.append(
         f"model: {args.mixer} d_model={args.d_model} n_layers={args.n_layers} heads={args.n_heads}/{args.n_kv_heads}kv, "
         f"swiglu, rope, rmsnorm; data=text seq_len={args.seq_len} batch={args.batch}; {args.steps} warm-up + "
-        f"{args.steps} timed steps per row; threads={torch.get_num_threads()}."
+        f"{args.steps} timed steps per run, best of {args.repeats} run(s) per row; threads={torch.get_num_threads()}."
     )
     notes.append("peak = best n=1024 dense matmul of the row's dtype measured in this process (bf16-mixed: bf16 matmul).")
     return {"title": "Training step: attnzoo (Lightning) vs bare PyTorch, MFU", "columns": COLUMNS, "rows": rows,
@@ -190,12 +207,3 @@ def run(args) -> dict:
 
 COLUMNS = ["precision", "path", "tokens/s", "step ms", "vs bare", "GFLOP/s", "peak GFLOP/s", "MFU"]
 
-
-def _vocab(overrides: list[str]) -> int:
-    from ..config import validate
-    from ..data import build_datamodule
-
-    parts = validate(compose(overrides))
-    dm = build_datamodule(parts["data"], cache_dir=parts["run"].paths.cache_dir, seed=parts["run"].seed)
-    dm.setup("fit")
-    return dm.vocab_size
