@@ -87,3 +87,45 @@ def test_peak_memory_counts_live_storages_once():
     assert pm.peak == 2 * 256 * 256 * 4 + 4  # a + the temporary b * 2 + the scalar sum
     assert pm.live == 256 * 256 * 4 + 4  # d and c remain
     del c, d
+
+
+# torch.compile (the `compile=true` training path): the whole model must trace without graph breaks and
+# give the eager forward and gradients. aot_eager runs dynamo + AOTAutograd (where graph breaks and
+# stride bugs show) without inductor's C++ build, so it takes seconds; the default model runs always.
+# Under aot_eager only (PyTorch 2.13): a pointwise backward's real output strides differ from its traced
+# meta strides and the following `view` fails. With inductor, compile=true's backend, both compile and
+# match eager (checked by hand: 47-88 s of C++ builds each, too slow for this file).
+COMPILE_XFAIL = {
+    "linear_attention": "elu_backward -> view in the compiled backward (use .reshape/.contiguous in the mixer)",
+    "gated_deltanet": "softplus_backward -> view in the compiled backward (use .reshape/.contiguous in the mixer)",
+}
+
+
+def compile_case(name: str):
+    marks = [] if name == "gqa" else [pytest.mark.slow]
+    if name in COMPILE_XFAIL:
+        marks.append(pytest.mark.xfail(reason=COMPILE_XFAIL[name], raises=RuntimeError))
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("mixer", [compile_case(n) for n in MIXERS.names()])
+def test_compile_fullgraph_matches_eager(mixer):
+    from attnzoo.model import DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM({"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}},
+                      vocab_size=64)
+    x = torch.randint(0, 64, (2, 16))
+    ref = model(x)
+    ref.square().mean().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+        out.square().mean().backward()
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)

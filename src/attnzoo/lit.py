@@ -51,14 +51,15 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices of Linear layers only; none on norms, biases and embeddings."""
+    """AdamW groups: decay on weight matrices only; none on norms, biases, embeddings, and parameters
+    flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias)."""
     decay, no_decay, seen = [], [], set()
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() >= 2 and id(p) not in emb_ids:
+        if p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False):
             decay.append(p)
         else:
             no_decay.append(p)

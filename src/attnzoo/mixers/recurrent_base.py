@@ -94,9 +94,9 @@ class RecurrentMixer(Mixer):
         if self.activation == "silu":
             qkv = F.silu(qkv)
         q, k, v = upcast(qkv).split(self.qkv_dims, dim=-1)
-        q = q.view(B, T, self.n_qk_heads, self.qk_dim)
-        k = k.view(B, T, self.n_qk_heads, self.qk_dim)
-        v = v.view(B, T, self.n_v_heads, self.v_dim)
+        q = q.reshape(B, T, self.n_qk_heads, self.qk_dim)
+        k = k.reshape(B, T, self.n_qk_heads, self.qk_dim)
+        v = v.reshape(B, T, self.n_v_heads, self.v_dim)
         if self.impl == "reference":
             mode = "reference"
         else:
@@ -105,7 +105,7 @@ class RecurrentMixer(Mixer):
         if cache is not None:
             cache.state = state.to(cache.state.dtype)
             cache.seen += T
-        gate = None if self.g_proj is None else self.g_proj(x).view(B, T, self.n_v_heads, self.v_dim)
+        gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.n_v_heads, self.v_dim)
         if self.norm is not None:
             o = self.norm(o, gate)
         elif gate is not None:

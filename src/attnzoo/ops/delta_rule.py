@@ -154,17 +154,17 @@ def chunk_delta_rule(
         beta = F.pad(beta, (0, pad))
         g = None if g is None else F.pad(g, (0, pad))
     N = (T + pad) // C
-    q = (q * scale).view(B, H, N, C, Dk)
-    k = k.view(B, H, N, C, Dk)
-    v = v.view(B, H, N, C, Dv)
-    beta = beta.view(B, H, N, C, 1)
+    q = (q * scale).reshape(B, H, N, C, Dk)
+    k = k.reshape(B, H, N, C, Dk)
+    v = v.reshape(B, H, N, C, Dv)
+    beta = beta.reshape(B, H, N, C, 1)
     kb = k * beta
 
     kt = k.transpose(-1, -2)
     A = kb @ kt  # (B, H, N, C, C): beta_r k_r . k_s; only the strict lower triangle is used
     P = q @ kt  # q_r . k_s, causal part used
     if g is not None:
-        G = g.view(B, H, N, C).cumsum(-1)
+        G = g.reshape(B, H, N, C).cumsum(-1)
         future = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
         # mask before exp: above the diagonal G_r - G_s > 0 and could overflow. In place (two passes
         # over the largest elementwise tensor); the differences telescope along the UT transform, so
@@ -197,9 +197,9 @@ def chunk_delta_rule(
     for i in range(N):
         starts.append(S)
         S = torch.baddbmm(bs[i], Ms[i], S)
-    S0 = torch.stack(starts, dim=1).view(B, H, N, Dk, Dv)
+    S0 = torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv)
 
     u = U - W @ S0
     o = qd @ S0 + P @ u  # (B, H, N, C, Dv)
     o = o.reshape(B, H, N * C, Dv)[:, :, :T]
-    return o, S.view(B, H, Dk, Dv)
+    return o, S.reshape(B, H, Dk, Dv)

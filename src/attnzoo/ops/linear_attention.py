@@ -61,9 +61,9 @@ def chunk_linear_attention(
     if pad:  # zero keys/values add nothing to the state
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     N = (T + pad) // C
-    q = (q * scale).view(B, H, N, C, Dk)
-    k = k.view(B, H, N, C, Dk)
-    v = v.view(B, H, N, C, Dv)
+    q = (q * scale).reshape(B, H, N, C, Dk)
+    k = k.reshape(B, H, N, C, Dk)
+    v = v.reshape(B, H, N, C, Dv)
     kv = k.transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's contribution
     S0 = kv.new_zeros(B, H, 1, Dk, Dv) if initial_state is None else initial_state[:, :, None].to(kv.dtype)
     starts = torch.cat([S0, S0 + kv.cumsum(2)], dim=2)  # state before chunk 0..N
