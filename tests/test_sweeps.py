@@ -140,9 +140,10 @@ def test_wandb_offline_one_run_per_job_grouped_by_sweep(tmp_path, monkeypatch):
     assert len(runs) == 2 and len({r.parent.parent for r in runs}) == 2  # one run in each job's directory
     for r in runs:
         blob = b"".join(p.read_bytes() for p in r.glob("*.wandb"))
-        # the run's group is the sweep directory's name: a length-prefixed protobuf string in the run record
-        # (the bare name also occurs inside paths, preceded by '/')
-        assert bytes([len(b"window_sweep")]) + b"window_sweep" in blob
+        # the run's group is the sweep's name (from +sweeps=window): a length-prefixed protobuf string in the
+        # run record; the directory name is not used when the sweep is named
+        assert bytes([len(b"window")]) + b"window" in blob
+        assert bytes([len(b"window_sweep")]) + b"window_sweep" not in blob
     assert all(r["status"] == "ok" for r in read_csv(d / "report.csv"))
 
 

@@ -162,6 +162,9 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(run.seed, workers=True, verbose=False)
     dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
     dm.setup("fit")  # tokenizer trained and cached once, before any worker starts
+    from .budget import apply_budget
+
+    budget = apply_budget(container, dm.vocab_size)  # matched parameter budget: adjusts a width in place
 
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
@@ -233,6 +236,7 @@ def train(cfg: DictConfig) -> dict:
     infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
     metrics.update({k: float(v) for k, v in final.items()})
     metrics.update(throughput.last)
+    metrics.update({k: float(v) for k, v in budget.items() if isinstance(v, (int, float))})
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len

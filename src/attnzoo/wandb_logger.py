@@ -31,9 +31,13 @@ def _job_identity() -> tuple[str | None, str | None]:
         hc = HydraConfig.get()
     except Exception:
         return None, None
-    overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "paths."))]
+    overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "paths.", "+sweeps="))]
     name = ",".join(overrides) or hc.job.name
-    group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
+    group = None
+    if hc.mode.name == "MULTIRUN":
+        # `attnzoo-sweep NAME` passes +sweeps=NAME: group by the sweep's name; else by its directory
+        named = [o.split("=", 1)[1] for o in hc.overrides.task if o.startswith("+sweeps=")]
+        group = named[0] if named else Path(hc.sweep.dir).name
     return group, name
 
 
@@ -68,6 +72,6 @@ def _build(opts, out, group, name, tags, offline):
         dir=str(out),
         mode="offline" if offline else "online",
         reinit="finish_previous",
-        settings=wandb.Settings(silent=True, console="off", start_method="thread"),
+        settings=wandb.Settings(silent=True, console="off"),
     )
     return WandbLogger(experiment=run, save_dir=str(out))

@@ -132,7 +132,8 @@ def bare_run(overrides: list[str], steps: int) -> dict:
     dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
     dm.setup("fit")
     container = OmegaConf.to_container(cfg, resolve=True)
-    model = LitLM(container, vocab_size=dm.vocab_size).model  # same construction and init as train()
+    device = torch.device("cuda" if run.trainer.accelerator in ("gpu", "cuda") else "cpu")
+    model = LitLM(container, vocab_size=dm.vocab_size).model.to(device)  # same construction and init as train()
     model.train()
     # the optimizer and schedule of LitLM.configure_optimizers, from the same config sections
     o = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), container.get("optim", {})))
@@ -141,12 +142,12 @@ def bare_run(overrides: list[str], steps: int) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s, run.trainer.max_steps, model.cfg.d_model))
     clip = run.trainer.gradient_clip_val
     prec = run.trainer.precision
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec.startswith("bf16") else contextlib.nullcontext
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if prec.startswith("bf16") else contextlib.nullcontext
     V = model.cfg.vocab_size
     tokens, t0 = 0, None
     batches = itertools.chain.from_iterable(iter(dm.train_dataloader()) for _ in itertools.count())
     for step in range(2 * steps):
-        x, y = next(batches)[:2]
+        x, y = (t.to(device, non_blocking=True) for t in next(batches)[:2])
         if step == steps:
             t0 = time.perf_counter()
         with autocast():
@@ -160,20 +161,23 @@ def bare_run(overrides: list[str], steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if step >= steps:
             tokens += x.numel()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"perf/tokens_per_sec": tokens / dt, "perf/step_ms": 1000 * dt / steps, "train/loss": float(loss.detach())}
 
 
 def run(args) -> dict:
-    from ..flops import measure_matmul_peak, precision_dtype
+    from ..flops import measure_matmul_peak, peak_flops, precision_dtype
 
     if args.quick:
         quick(args)
     rows, notes = [], []
+    device = "cuda" if any(o in ("trainer=gpu", "trainer=ddp") for o in args.overrides) else "cpu"
     with tempfile.TemporaryDirectory(prefix="attnzoo-bench-train-") as tmp:
         for prec in args.precisions:
             dtype = precision_dtype(prec)
-            peak = measure_matmul_peak(dtype, "cpu", 1024, 1.0)
+            peak = measure_matmul_peak(dtype, "cpu", 1024, 1.0) if device == "cpu" else peak_flops(device, dtype)[0]
             variants = ["bare", "attnzoo"]
             variants += ["bare+fused-adamw", "attnzoo+fused-adamw"] if args.fused_adamw else []
             variants += ["attnzoo+compile"] if args.compile else []
