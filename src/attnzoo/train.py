@@ -276,6 +276,8 @@ def train(cfg: DictConfig) -> dict:
             lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
                            step=trainer.global_step)
             lg.finalize("success")
+            if type(lg).__name__ == "WandbLogger":  # close this job's run so the next job gets its own
+                lg.experiment.finish()
         print(format_summary(summary), flush=True)
     return metrics
 
