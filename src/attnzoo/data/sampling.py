@@ -12,7 +12,7 @@ from typing import Iterator
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 def _rank_world() -> tuple[int, int]:
@@ -65,6 +65,18 @@ class ResumableDataMixin:
             self._train_sampler.resume(self._resume["epoch"], self._resume["batches"])
             self._resume = None
         return self._train_sampler
+
+    def train_loader(self, dataset, batch_size: int, seed: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
+        """Shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch."""
+        sampler = self.make_train_sampler(len(dataset), seed, batch_size)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
+                          collate_fn=collate_fn)
+
+    @staticmethod
+    def val_loader(dataset, batch_size: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
+        """In order, sharded over DDP ranks (the LightningModule reduces the metrics exactly)."""
+        sampler = ResumableShuffleSampler(len(dataset), 0, batch_size, shuffle=False)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
 
     def state_dict(self) -> dict:
         return dict(self.position)

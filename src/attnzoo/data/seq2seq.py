@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..config import check
 from . import register_data
+from .sampling import ResumableDataMixin
 from .synthetic import make_splits
 
 PAD, BOS, EOS, FIRST_SYMBOL = 0, 1, 2, 3
@@ -119,7 +120,7 @@ def generate_addition(cfg, n: int, rng: np.random.Generator):
     return src, tgt, src != PAD
 
 
-class Seq2SeqDataModule(L.LightningDataModule):
+class Seq2SeqDataModule(ResumableDataMixin, L.LightningDataModule):
     """In-memory seq2seq task; subclasses set `generate = staticmethod((cfg, n, rng) -> (src, tgt_out, src_mask))`."""
 
     generate = staticmethod(generate_reversal)
@@ -152,12 +153,10 @@ class Seq2SeqDataModule(L.LightningDataModule):
         return self.cfg.vocab_size
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True, generator=g,
-                          num_workers=self.cfg.num_workers)
+        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False, num_workers=self.cfg.num_workers)
+        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers)
 
 
 @register_data("reversal", Seq2SeqConfig)

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..config import ConfigError, check
+from .sampling import ResumableDataMixin
 
 log = logging.getLogger("attnzoo")
 
@@ -137,7 +138,7 @@ def _to_long(batch):
     return x.long(), y.long(), m
 
 
-class SyntheticDataModule(L.LightningDataModule):
+class SyntheticDataModule(ResumableDataMixin, L.LightningDataModule):
     """In-memory datamodule over a task generator; batches are (x, y, loss_mask).
 
     Subclasses set `generate` (a staticmethod `(cfg, n, rng) -> (x, y, mask)`) and may override
@@ -179,10 +180,7 @@ class SyntheticDataModule(L.LightningDataModule):
         return self.cfg.vocab_size
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True, generator=g,
-                          num_workers=self.cfg.num_workers, collate_fn=_to_long)
+        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers, collate_fn=_to_long)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False, num_workers=self.cfg.num_workers,
-                          collate_fn=_to_long)
+        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers, collate_fn=_to_long)

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..config import ConfigError, check, check_choice
 from . import register_data
 from .corpus import load_corpus, text_sha
-from .sampling import ResumableDataMixin, ResumableShuffleSampler
+from .sampling import ResumableDataMixin
 from .tokenizer import encode_corpus, get_tokenizer
 
 
@@ -90,14 +90,10 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def train_dataloader(self) -> DataLoader:
-        # shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch
-        sampler = self.make_train_sampler(len(self.train_set), self.seed, self.cfg.batch_size)
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, sampler=sampler, drop_last=True,
-                          num_workers=self.cfg.num_workers)
+        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        sampler = ResumableShuffleSampler(len(self.val_set), 0, self.cfg.batch_size, shuffle=False)  # sharded, in order
-        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, sampler=sampler, num_workers=self.cfg.num_workers)
+        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
