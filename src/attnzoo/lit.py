@@ -170,9 +170,13 @@ class LitLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim_cfg
+        # fused AdamW: one kernel over all parameters (327 -> 49 ms per optimizer step on a 17.7M-param model,
+        # docs/benchmarks.md). Lightning refuses gradient clipping with a fused optimizer under AMP, so the
+        # mixed-precision modes keep the foreach implementation.
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         opt = torch.optim.AdamW(
             param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-            fused=False,
+            fused="mixed" not in precision,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
