@@ -501,3 +501,14 @@ def test_train_end_to_end_with_moe_balances(tmp_path):
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     bias = ckpt["state_dict"]["model.blocks.0.ffn.expert_bias"]
     assert bias.abs().sum() > 0  # the aux-loss-free bias moved during training and is checkpointed
+
+
+def test_grouped_mm_probe_does_not_depend_on_grad_mode(monkeypatch):
+    """The probe's first call may come from an eval/no_grad forward; it must not cache a false 'unavailable'."""
+    import attnzoo.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_GROUPED_MM_OK", {})
+    with torch.no_grad():
+        inside = moe_mod.grouped_mm_works(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(moe_mod, "_GROUPED_MM_OK", {})
+    assert inside == moe_mod.grouped_mm_works(torch.device("cpu"), torch.float32)

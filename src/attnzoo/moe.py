@@ -100,20 +100,23 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     by device, dtype and version); probed once per (device type, dtype) on a tiny problem."""
     key = (torch.device(device).type, dtype)
     if key not in _GROUPED_MM_OK:
-        ok = hasattr(torch, "_grouped_mm")
-        if ok:
-            try:
-                x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w, offs=offs)
-                y.backward(torch.ones_like(y))
-                ref = torch.cat([x[:3] @ w[0], x[3:] @ w[1]])
-                ok = torch.allclose(y, ref, rtol=1e-2, atol=1e-2)
-            except Exception:  # noqa: BLE001 - any failure means "use the loop"
-                ok = False
-        _GROUPED_MM_OK[key] = ok
+        _GROUPED_MM_OK[key] = hasattr(torch, "_grouped_mm") and _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_OK[key]
+
+
+def _probe_grouped_mm(device, dtype) -> bool:
+    try:
+        # the first call may come from inside no_grad / inference mode (eval, generation): probe backward anyway
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w, offs=offs)
+            y.backward(torch.ones_like(y))
+            ref = torch.cat([x[:3] @ w[0], x[3:] @ w[1]])
+            return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2))
+    except Exception:  # noqa: BLE001 - any failure means "use the loop"
+        return False
 
 
 def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
