@@ -175,3 +175,19 @@ def test_corrupt_and_truncated_checkpoints_fail_with_one_line(tmp_path):
         with pytest.raises(ConfigError) as e:
             check_checkpoint(tmp_path / name)
         assert str(e.value).startswith("ckpt_path:") and "\n" not in str(e.value)
+
+
+def test_deferred_nonfinite_check_names_the_step(tmp_path):
+    """The GPU path keeps the finiteness flag on the device and checks it one step later (no host sync)."""
+    from omegaconf import OmegaConf
+
+    from attnzoo.lit import LitLM, NonFiniteLossError
+
+    cfg = OmegaConf.to_container(compose_cfg(FAST, tmp_path / "d"), resolve=False)
+    cfg["paths"]["output_dir"] = str(tmp_path)
+    lit = LitLM(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True), vocab_size=32)
+    lit._pending = (torch.tensor(True), torch.tensor(1.0), 6)
+    lit._check_deferred()  # finite: nothing happens
+    lit._pending = (torch.tensor(False), torch.tensor(float("nan")), 7)
+    with pytest.raises(NonFiniteLossError, match="at step 7"):
+        lit.on_train_end()

@@ -88,6 +88,7 @@ class LitLM(L.LightningModule):
         self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
         self.on_nonfinite = cfg.get("on_nonfinite", "stop")
         self.skipped_steps = 0
+        self._pending = None  # (finite flag, loss, step) of the last step, checked one step later on GPU
         self._val = None
         self._val_has_mask = False
         # the (optionally compiled) callable used by the training/validation steps; not a submodule
@@ -122,15 +123,16 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int):
         loss, _, _ = self._loss(batch)
-        if self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # one host sync per step
+        if self.on_nonfinite == "stop" and loss.device.type != "cpu":
+            # GPU: no host sync in the hot path; check the previous step's flag (its kernels are done by now)
+            self._check_deferred()
+            self._pending = (torch.isfinite(loss.detach()), loss.detach(), self.global_step)
+        elif self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # CPU (free) or skip mode
             if self.on_nonfinite == "skip":
                 self.skipped_steps += 1
                 log.warning("non-finite training loss at step %d: step skipped", self.global_step)
                 return None  # Lightning skips the optimizer step
-            raise NonFiniteLossError(
-                f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
-                f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
-            )
+            self._raise_nonfinite(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         aux = self.model.aux_loss()
         if aux is not None:
@@ -138,6 +140,22 @@ class LitLM(L.LightningModule):
         for name, value in self.model.stats().items():
             self.log(name, value)
         return loss
+
+    def _raise_nonfinite(self, loss: torch.Tensor, step: int) -> None:
+        raise NonFiniteLossError(
+            f"non-finite training loss ({loss.item()}) at step {step}; "
+            f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
+        )
+
+    def _check_deferred(self) -> None:
+        if self._pending is not None:
+            finite, loss, step = self._pending
+            self._pending = None
+            if not bool(finite):
+                self._raise_nonfinite(loss, step)
+
+    def on_train_end(self) -> None:
+        self._check_deferred()
 
     def on_validation_epoch_start(self) -> None:
         # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end
