@@ -191,3 +191,17 @@ def test_deferred_nonfinite_check_names_the_step(tmp_path):
     lit._pending = (torch.tensor(False), torch.tensor(float("nan")), 7)
     with pytest.raises(NonFiniteLossError, match="at step 7"):
         lit.on_train_end()
+
+
+def test_sigterm_stops_a_local_sweep(tmp_path):
+    """SIGTERM ends the process: the current job saves last.ckpt and is marked preempted, no next job starts."""
+    sweep = tmp_path / "sweep"
+    common = FAST + ["trainer.max_steps=400", "trainer.val_check_interval=1000", "callbacks.checkpoint_every_n_steps=2",
+                     "callbacks.save_best=false"]
+    p = cli(["-m", *common, "seed=1,2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={SESSION_CACHE}"])
+    wait_for_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt", 2, p)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "preempted"
+    assert not (sweep / "1").exists()

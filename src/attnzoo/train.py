@@ -303,6 +303,9 @@ def _run_job(cfg: DictConfig) -> float | None:
             raise
         _record_failure(cfg, e)
         return None
+    if metrics.get("status") == "preempted":
+        # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
+        sys.exit(0)
     target = cfg.get("optimized_metric")
     return metrics.get(target) if target else metrics.get("val/loss")
 
