@@ -70,7 +70,71 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN/inf (on_nonfinite=stop)."""
 
 
-class LitLM(L.LightningModule):
+class TrainingModule(L.LightningModule):
+    """What every attnzoo LightningModule shares: optimizer + schedule from the run config, the
+    non-finite-loss policy, and exact reduction of summed validation statistics across ranks.
+    Subclasses set `self.model` (with `cfg.d_model`) and call `_setup_training(cfg)` in `__init__`."""
+
+    def _setup_training(self, cfg: dict, default_scheduler: dict | None = None) -> None:
+        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
+        sched = cfg.get("scheduler") or default_scheduler or {}
+        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), sched))
+        self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
+        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
+        self.skipped_steps = 0
+        self._pending = None  # (finite flag, loss, step) of the last step, checked one step later on GPU
+
+    def _guard_loss(self, loss: torch.Tensor) -> bool:
+        """Apply `on_nonfinite`; False means: skip this optimizer step (return None from training_step)."""
+        if self.on_nonfinite == "stop" and loss.device.type != "cpu":
+            # GPU: no host sync in the hot path; check the previous step's flag (its kernels are done by now)
+            self._check_deferred()
+            self._pending = (torch.isfinite(loss.detach()), loss.detach(), self.global_step)
+        elif self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # CPU (free) or skip mode
+            if self.on_nonfinite == "skip":
+                self.skipped_steps += 1
+                log.warning("non-finite training loss at step %d: step skipped", self.global_step)
+                return False
+            self._raise_nonfinite(loss, self.global_step)
+        return True
+
+    def _raise_nonfinite(self, loss: torch.Tensor, step: int) -> None:
+        raise NonFiniteLossError(
+            f"non-finite training loss ({loss.item()}) at step {step}; "
+            f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
+        )
+
+    def _check_deferred(self) -> None:
+        if self._pending is not None:
+            finite, loss, step = self._pending
+            self._pending = None
+            if not bool(finite):
+                self._raise_nonfinite(loss, step)
+
+    def on_train_end(self) -> None:
+        self._check_deferred()
+
+    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum a vector of validation statistics over all ranks."""
+        if self.trainer.world_size > 1:
+            return self.all_gather(stats).reshape(-1, stats.numel()).sum(0)
+        return stats
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim_cfg
+        # fused AdamW: one kernel over all parameters (327 -> 49 ms per optimizer step on a 17.7M-param model,
+        # docs/benchmarks.md). Lightning refuses gradient clipping with a fused optimizer under AMP, so the
+        # mixed-precision modes keep the foreach implementation.
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        opt = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            fused="mixed" not in precision,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+class LitLM(TrainingModule):
     """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
 
     `cfg` is the whole resolved run config (a plain dict, saved as hyper-parameters so a checkpoint
@@ -83,12 +147,7 @@ class LitLM(L.LightningModule):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
         self.model = DecoderLM(resolve_model(cfg["model"]), vocab_size=vocab_size)
-        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
-        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), cfg.get("scheduler", {})))
-        self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
-        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
-        self.skipped_steps = 0
-        self._pending = None  # (finite flag, loss, step) of the last step, checked one step later on GPU
+        self._setup_training(cfg)
         self._val = None
         self._val_has_mask = False
         # the (optionally compiled) callable used by the training/validation steps; not a submodule
@@ -123,16 +182,8 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int):
         loss, _, _ = self._loss(batch)
-        if self.on_nonfinite == "stop" and loss.device.type != "cpu":
-            # GPU: no host sync in the hot path; check the previous step's flag (its kernels are done by now)
-            self._check_deferred()
-            self._pending = (torch.isfinite(loss.detach()), loss.detach(), self.global_step)
-        elif self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # CPU (free) or skip mode
-            if self.on_nonfinite == "skip":
-                self.skipped_steps += 1
-                log.warning("non-finite training loss at step %d: step skipped", self.global_step)
-                return None  # Lightning skips the optimizer step
-            self._raise_nonfinite(loss, self.global_step)
+        if not self._guard_loss(loss):
+            return None  # Lightning skips the optimizer step
         self.log("train/loss", loss, prog_bar=True)
         aux = self.model.aux_loss()
         if aux is not None:
@@ -140,22 +191,6 @@ class LitLM(L.LightningModule):
         for name, value in self.model.stats().items():
             self.log(name, value)
         return loss
-
-    def _raise_nonfinite(self, loss: torch.Tensor, step: int) -> None:
-        raise NonFiniteLossError(
-            f"non-finite training loss ({loss.item()}) at step {step}; "
-            f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
-        )
-
-    def _check_deferred(self) -> None:
-        if self._pending is not None:
-            finite, loss, step = self._pending
-            self._pending = None
-            if not bool(finite):
-                self._raise_nonfinite(loss, step)
-
-    def on_train_end(self) -> None:
-        self._check_deferred()
 
     def on_validation_epoch_start(self) -> None:
         # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end
@@ -171,9 +206,7 @@ class LitLM(L.LightningModule):
         self._val += torch.stack([total.double(), count.double(), correct.sum().double()])
 
     def on_validation_epoch_end(self) -> None:
-        stats = self._val
-        if self.trainer.world_size > 1:
-            stats = self.all_gather(stats).reshape(-1, 3).sum(0)
+        stats = self._reduce(self._val)
         total, count, correct = stats[0], stats[1].clamp_min(1), stats[2]
         val_loss = (total / count).float()
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
@@ -185,16 +218,3 @@ class LitLM(L.LightningModule):
         # after_optimizer_step hooks (MoE bias) run once per optimizer step, not per micro-batch
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
             self.model.after_optimizer_step()
-
-    def configure_optimizers(self) -> Any:
-        o = self.optim_cfg
-        # fused AdamW: one kernel over all parameters (327 -> 49 ms per optimizer step on a 17.7M-param model,
-        # docs/benchmarks.md). Lightning refuses gradient clipping with a fused optimizer under AMP, so the
-        # mixed-precision modes keep the foreach implementation.
-        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        opt = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-            fused="mixed" not in precision,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}

@@ -13,16 +13,14 @@ Both: AdamW with LitLM's parameter groups; the schedule of `scheduler` (Noam whe
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from .config import OptimConfig, SchedulerConfig
 from .encdec import EncoderDecoder, EncoderMLM, mask_tokens
-from .lit import NonFiniteLossError, lr_lambda, param_groups
+from .lit import TrainingModule
 
 log = logging.getLogger("attnzoo")
 
@@ -40,36 +38,11 @@ def build_lit(container: dict, dm) -> L.LightningModule:
     raise ValueError(f"model.name: got {name!r}; allowed: {', '.join(ENCODER_MODELS)}")
 
 
-class _Base(L.LightningModule):
-    """Optimizer, schedule and the non-finite-loss policy shared by both modules."""
+class _Base(TrainingModule):
+    """The shared training pieces (lit.TrainingModule), with the paper's Noam schedule by default."""
 
     def _setup(self, cfg: dict) -> None:
-        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
-        sched = cfg.get("scheduler") or {"name": "noam", "warmup_steps": 4000, "min_lr_ratio": 0.0}
-        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), sched))
-        self.max_steps = int(cfg.get("trainer", {}).get("max_steps", 1000))
-        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
-
-    def _check_finite(self, loss: torch.Tensor) -> bool:
-        if self.on_nonfinite == "ignore" or torch.isfinite(loss):
-            return True
-        if self.on_nonfinite == "skip":
-            log.warning("non-finite training loss at step %d: step skipped", self.global_step)
-            return False
-        raise NonFiniteLossError(f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
-                                 f"lower optim.lr, or set on_nonfinite=skip to skip such steps")
-
-    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
-        if self.trainer.world_size > 1:
-            return self.all_gather(stats).reshape(-1, stats.numel()).sum(0)
-        return stats
-
-    def configure_optimizers(self) -> Any:
-        o = self.optim_cfg
-        opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
-
+        self._setup_training(cfg, default_scheduler={"name": "noam", "warmup_steps": 4000, "min_lr_ratio": 0.0})
 
 def masked_ce(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, smoothing: float = 0.0):
     """(summed cross-entropy over mask, count): logits (B, T, V), target/mask (B, T)."""
@@ -107,7 +80,7 @@ class LitSeq2Seq(_Base):
         src, tgt_in, tgt_out, src_mask, tgt_mask = batch
         total, count = masked_ce(self.model(src, tgt_in, src_mask), tgt_out, tgt_mask, self.model.opts.label_smoothing)
         loss = total / count.clamp_min(1)
-        if not self._check_finite(loss):
+        if not self._guard_loss(loss):
             return None
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -164,7 +137,7 @@ class LitMLM(_Base):
     def training_step(self, batch, batch_idx: int):
         total, count, _, _ = self._step(batch[0])
         loss = total / count.clamp_min(1)
-        if not self._check_finite(loss):
+        if not self._guard_loss(loss):
             return None
         self.log("train/loss", loss, prog_bar=True)
         return loss

@@ -339,7 +339,7 @@ def build_report(root: str | Path) -> dict:
     if command:
         md += [f"Command: `{command}`", ""]
     md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`.", "",
-           f"## Best learning rate per variant", "", best_md, "", "## All jobs", "", all_md, "", failures_md(jobs)]
+           "## Best learning rate per variant", "", best_md, "", "## All jobs", "", all_md, "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
     (root / "report.html").write_text(_html(root.name, command, jobs, best, cols, plots, metric))

@@ -11,7 +11,6 @@ large ones almost never collide).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
