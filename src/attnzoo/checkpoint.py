@@ -16,7 +16,8 @@ from .config import ConfigError
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temp file in the same folder, fsync, then `os.replace` onto the target: a process killed
-    mid-write leaves the previous checkpoint intact (and at worst a stray `.tmp`), never a truncated one."""
+    mid-write leaves the previous checkpoint intact (and a stray `.tmp`, removed by the next successful
+    save), never a truncated one."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
         path = Path(path)
@@ -28,6 +29,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            # temp files of writes that a killed process left behind are garbage now
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
