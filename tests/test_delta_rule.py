@@ -48,8 +48,8 @@ def test_chunk_matches_recurrent_fp32(case):
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, g, s0)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=C)
     assert o.shape == o_ref.shape == (2, H, T, 12) and s.shape == (2, H, 16, 12)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -61,8 +61,8 @@ def test_fp64_tight_oracle(gated):
     torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=0)
     # the fp32 chunk form against the fp64 recurrence
     o32, s32 = chunk_delta_rule(*(None if x is None else x.float() for x in (q, k, v, beta, g, s0)), chunk_size=16)
-    torch.testing.assert_close(o32.double(), o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s32.double(), s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o32.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s32.double(), s_ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("g_scale", [30.0, 300.0], ids=["g-30", "g-300"])
@@ -72,8 +72,8 @@ def test_strong_decay_is_finite_and_exact(g_scale):
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, g, s0)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=16)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, g)]
     out, state = chunk_delta_rule(*leaves, s0, chunk_size=16)
     (out.sum() + state.sum()).backward()
@@ -96,7 +96,7 @@ def test_gradients_match_recurrent(gated, init):
     assert set(grads["chunk"]) == {"q", "k", "v", "beta"} | ({"g"} if gated else set()) | ({"s0"} if init else set())
     for n, gr in grads["recurrent"].items():
         assert gr.abs().max() > 1e-3, n  # the comparison is not vacuous
-        torch.testing.assert_close(grads["chunk"][n], gr, atol=1e-4, rtol=0, msg=f"grad of {n}")
+        torch.testing.assert_close(grads["chunk"][n], gr, atol=1e-4, rtol=1e-4, msg=f"grad of {n}")
 
 
 @pytest.mark.parametrize("split", [1, 16, 29], ids=lambda s: f"split{s}")
@@ -107,8 +107,8 @@ def test_state_carrying(split):
     b = slice(split, None)
     o1, s1 = chunk_delta_rule(q[:, :, a], k[:, :, a], v[:, :, a], beta[:, :, a], g[:, :, a], s0, chunk_size=16)
     o2, s2 = chunk_delta_rule(q[:, :, b], k[:, :, b], v[:, :, b], beta[:, :, b], g[:, :, b], s1, chunk_size=16)
-    torch.testing.assert_close(torch.cat([o1, o2], 2), o_all, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s2, s_all, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([o1, o2], 2), o_all, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s2, s_all, atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_then_steps_equals_full():
@@ -119,8 +119,8 @@ def test_prefill_then_steps_equals_full():
     for t in range(20, 30):
         o_t, s = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], s, g[:, :, t])
         outs.append(o_t[:, :, None])
-    torch.testing.assert_close(torch.cat(outs, 2), o_all, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_all, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(outs, 2), o_all, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_all, atol=1e-5, rtol=1e-5)
 
 
 def test_unit_lower_solve_matches_torch_and_gradcheck():
@@ -148,20 +148,20 @@ def test_linear_attention_chunk_matches_recurrent(T, C, init):
     q, k, v, _, _, s0 = inputs(T=T, gated=False, init=init)
     o_ref, s_ref = linear_attention_recurrent(q, k, v, s0)
     o, s = chunk_linear_attention(q, k, v, s0, chunk_size=C)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     grads = []
     for fn in (linear_attention_recurrent, lambda *a: chunk_linear_attention(*a, chunk_size=C)):
         o, s = fn(*leaves, s0)
         grads.append(torch.autograd.grad(o.pow(2).sum() + s.sum(), leaves))
     for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     # decode: chunk prefill then steps
     o_all, _ = linear_attention_recurrent(q, k, v, s0)
     o1, s1 = chunk_linear_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], s0, chunk_size=C)
     o2, _ = linear_attention_step(q[:, :, -1], k[:, :, -1], v[:, :, -1], s1)
-    torch.testing.assert_close(o2, o_all[:, :, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(o2, o_all[:, :, -1], atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- transformers' Qwen3-Next
@@ -190,8 +190,8 @@ def test_parity_transformers_qwen3_next(form, group):
     qh = l2(q).repeat_interleave(group, 2).transpose(1, 2)
     kh = l2(k).repeat_interleave(group, 2).transpose(1, 2)
     o, s = chunk_delta_rule(qh, kh, v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), s0)
-    torch.testing.assert_close(o.transpose(1, 2), o_hf, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_hf, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o.transpose(1, 2), o_hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_hf, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- fla-core naive.py references
@@ -217,12 +217,12 @@ def test_parity_fla_naive_delta_rule():
     q, k, v, beta, _, s0 = inputs(T=64, gated=False, init=True)
     o_ref, s_ref = naive.delta_rule_recurrence(q, k, v, beta, initial_state=s0.clone())
     o, s = chunk_delta_rule(q, k, v, beta, None, s0, chunk_size=16)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
     o_chunk, s_chunk = naive.delta_rule_chunkwise(q, k, v, beta, chunk_size=32)  # no initial state, T % 32 == 0
     o, s = chunk_delta_rule(q, k, v, beta, chunk_size=32)
-    torch.testing.assert_close(o, o_chunk, atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_chunk, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_chunk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_chunk, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("form", ["naive_recurrent_gated_delta_rule", "naive_chunk_gated_delta_rule"])
@@ -232,8 +232,8 @@ def test_parity_fla_naive_gated_delta_rule(form):
     t = lambda x: x.transpose(1, 2)  # noqa: E731  fla takes (B, T, H, D)
     o_ref, s_ref = getattr(naive, form)(t(q), t(k), t(v), beta=t(beta), g=t(g), initial_state=s0.clone(), output_final_state=True)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0)
-    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_parity_fla_naive_linear_attention():
@@ -242,5 +242,5 @@ def test_parity_fla_naive_linear_attention():
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     o_ref, s_ref = naive.naive_recurrent_linear_attn(t(q), t(k), t(v), initial_state=s0, output_final_state=True)
     o, s = chunk_linear_attention(q, k, v, s0, chunk_size=16)
-    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,9 @@ from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg
 
 FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
         "perf.measure_decode=false", "sample.max_new_tokens=0"]
-ENV = {**os.environ, "ATTNZOO_CACHE": str(SESSION_CACHE), "PYTHONUNBUFFERED": "1"}
+# OMP_NUM_THREADS=1: a run in a subprocess must use the thread count of the in-process runs it is compared
+# with (conftest sets torch.set_num_threads(1)); other counts change fp32 summation order, so the losses differ
+ENV = {**os.environ, "ATTNZOO_CACHE": str(SESSION_CACHE), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def losses(run_dir: Path) -> dict:

@@ -40,10 +40,12 @@ def build(mixer, seed=0, **kw) -> DecoderLM:
 
 
 def decode_vs_full(m: DecoderLM, prompt: int, total: int, batch: int = 2):
+    """Cached decode vs the full forward of `m` in float64 (the forms differ only in summation order)."""
+    m = m.double()
     x = torch.randint(0, V, (batch, total), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = m(x)
-        cache = m.new_cache(batch, total)
+        cache = m.new_cache(batch, total, torch.float64)
         steps = [m(x[:, :prompt], cache=cache)]
         for t in range(prompt, total):
             steps.append(m(x[:, t : t + 1], cache=cache))
@@ -56,8 +58,8 @@ def test_cached_decode_equals_full_forward(variant, prompt):
     m = build(VARIANTS[variant])
     dec, full, cache = decode_vs_full(m, prompt, prompt + 12)
     assert full.abs().max() > 0.1  # not vacuous
-    torch.testing.assert_close(dec, full, atol=1e-5, rtol=0)
-    assert cache.nbytes() == m.cache_bytes(prompt + 12, batch=2)
+    torch.testing.assert_close(dec, full, atol=1e-10, rtol=0)
+    assert cache.nbytes() == m.cache_bytes(prompt + 12, batch=2, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
@@ -132,8 +134,8 @@ def test_hybrid_preset_decode_equals_full(preset, kinds):
     m = DecoderLM(cfg, vocab_size=V).eval()
     assert [type(mx).__name__ for mx in m.mixers] and [c.name for c in m.layer_mixers] == kinds
     dec, full, cache = decode_vs_full(m, 7, 20)
-    torch.testing.assert_close(dec, full, atol=1e-5, rtol=0)
-    assert cache.nbytes() == m.cache_bytes(20, batch=2)
+    torch.testing.assert_close(dec, full, atol=1e-10, rtol=0)
+    assert cache.nbytes() == m.cache_bytes(20, batch=2, dtype=torch.float64)
 
 
 def test_hybrid_pattern_from_the_command_line():
@@ -195,5 +197,6 @@ def test_matches_weights_copied_qwen3_next_gated_deltanet():
         for t in range(9, 21):
             steps.append(ours(x[:, t : t + 1], positions=torch.tensor([t]), cache=cache))
     assert ref.abs().max() > 0.1
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=0)
+    # fp32 against transformers' fp32: rounding grows with the values, so a relative term too
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,9 @@
-"""Every registered mixer, with its default config on a tiny model, honours the mixer contract:
-cached decode == full forward, measured cache bytes == analytic, causality, reference == fast form.
-New mixers are picked up from the registry automatically."""
+"""Every registered mixer, with its default config on a tiny model and again with a short conv
+(`conv_size=3`: on the input for attention mixers, on q/k/v for the recurrent ones), honours the mixer
+contract: cached decode == full forward, chunked prefill == full forward, measured cache bytes ==
+analytic, causality, reference == fast form. New mixers are picked up from the registry automatically.
+Equivalence is checked in float64 (the forms differ only in summation order, so fp32 rounding would
+need a tolerance that hides real bugs)."""
 import pytest
 import torch
 
@@ -8,29 +11,51 @@ from attnzoo.model import DecoderLM
 from attnzoo.registry import MIXERS
 from tests.conftest import tiny_model_cfg
 
-MIXER_NAMES = MIXERS.names()
+# every mixer as configured by default, and every mixer with a short conv of kernel 3
+MIXER_NAMES = MIXERS.names() + [f"{n}+conv3" for n in MIXERS.names()]
 V = 64
+
+
+def mixer_cfg(name: str) -> dict:
+    base, _, conv = name.partition("+conv")
+    return {"name": base, "conv_size": int(conv)} if conv else {"name": base}
 
 
 def build(name: str, seed: int = 0, **kw) -> DecoderLM:
     torch.manual_seed(seed)
-    return DecoderLM(tiny_model_cfg(name, **kw), vocab_size=V).eval()
+    return DecoderLM(tiny_model_cfg(mixer_cfg(name), **kw), vocab_size=V).eval()
 
 
 @pytest.mark.parametrize("name", MIXER_NAMES)
 @pytest.mark.parametrize("prompt_len", [1, 7, 20])
 def test_cached_decode_equals_full_forward(name, prompt_len):
-    m = build(name)
+    m = build(name).double()
     T = prompt_len + 9
     x = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = m(x)
-        cache = m.new_cache(2, T)
+        cache = m.new_cache(2, T, torch.float64)
         steps = [m(x[:, :prompt_len], cache=cache)]
         for t in range(prompt_len, T):
             steps.append(m(x[:, t : t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
     assert cache.seq_len == T
+
+
+@pytest.mark.parametrize("name", MIXER_NAMES)
+@pytest.mark.parametrize("chunks", [(3, 7, 6), (4, 4, 1, 7), (9, 2, 5)], ids=lambda c: "-".join(map(str, c)))
+def test_chunked_prefill_equals_full_forward(name, chunks):
+    """Several multi-token calls in a row on a non-empty cache: state, ring, latents and conv tails
+    carried across call boundaries exactly as the one-call forward carries them across positions."""
+    m = build(name).double()
+    x = torch.randint(0, V, (2, sum(chunks)), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = m(x)
+        cache, outs, s = m.new_cache(2, x.shape[1], torch.float64), [], 0
+        for c in chunks:
+            outs.append(m(x[:, s : s + c], cache=cache))
+            s += c
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("name", MIXER_NAMES)

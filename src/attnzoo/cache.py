@@ -11,7 +11,12 @@ import torch
 
 
 class LayerCache:
-    """Base class: `nbytes()` sums every tensor attribute (and tensors in list/tuple attributes)."""
+    """Base class: `nbytes()` sums every tensor attribute (and tensors in list/tuple attributes).
+
+    `conv_tail` (B, d_model, K-1): the last inputs of a mixer's short input conv (`Mixer.shift`), set on
+    the first call when the mixer has one; None otherwise."""
+
+    conv_tail: Optional[torch.Tensor] = None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for value in vars(self).values():

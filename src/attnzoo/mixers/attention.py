@@ -27,7 +27,7 @@ from ..ops.attention import attention_mask, attention_reference, attention_sdpa
 from ..ops.sliding_window import sliding_window_sdpa
 from ..position import RotaryEmbedding
 from ..registry import register_mixer
-from .base import Mixer, causal_attended, dtype_bytes
+from .base import Mixer, causal_attended, dtype_bytes, validate_conv
 
 
 @dataclass
@@ -38,6 +38,8 @@ class AttentionConfig:
     out_bias: bool = False
     softmax_scale: Optional[float] = None  # default head_dim ** -0.5
     causal: bool = True
+    conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
+    conv_bias: bool = False
 
     def kv_heads(self, model) -> int:
         if self.name == "mha":
@@ -54,6 +56,7 @@ class AttentionConfig:
                 f"n_heads={model.n_heads} is not divisible by n_kv_heads={kv}; allowed: {', '.join(map(str, allowed))}",
                 field=f"{field}.n_kv_heads",
             )
+        validate_conv(self, field)
 
 
 class Attention(Mixer):
@@ -72,6 +75,7 @@ class Attention(Mixer):
         self.o_proj = nn.Linear(q_dim, self.d_model, bias=cfg.out_bias)
         pos = model_cfg.position
         self.rope = RotaryEmbedding(self.head_dim, pos.theta, pos.rotary_fraction) if pos.name == "rope" else None
+        self.build_input_conv(cfg.conv_size, cfg.conv_bias)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         B, T, _ = x.shape
@@ -104,7 +108,7 @@ class Attention(Mixer):
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(self.shift(x, cache), positions)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.attend(q, k, v, q_offset=k.shape[2] - T)  # (B, H, T, D)
@@ -114,10 +118,12 @@ class Attention(Mixer):
         return KVCache()
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * context_len * batch * dtype_bytes(dtype)
+        kv = 2 * self.n_kv_heads * self.head_dim * context_len * batch * dtype_bytes(dtype)
+        return kv + self.input_conv_bytes(batch, dtype)
 
     def flops_per_token(self, context_len: int) -> float:
         proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features)
+        proj += self.input_conv_flops()
         keys = causal_attended(context_len, self.window) if self.causal else float(context_len)
         return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV
 
@@ -172,4 +178,4 @@ class SlidingWindowAttention(Attention):
         return SlidingWindowCache(self.window)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        return super().cache_bytes(min(context_len, self.window), batch, dtype)
+        return super().cache_bytes(min(context_len, self.window), batch, dtype)  # ring + conv tail

@@ -26,6 +26,35 @@ class Mixer(nn.Module):
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.d_model = model_cfg.d_model
+        self.input_conv: Optional[nn.Module] = None
+
+    # ------------------------------------------------------------------ short conv on the mixer input
+    def build_input_conv(self, conv_size: int, bias: bool = False) -> None:
+        """A short causal depthwise conv over the mixer input, before any projection (the H3 / Based
+        "shift conv"; Allen-Zhu 2025's Canon-A layer). It lets one attention layer see the previous
+        tokens' content, which associative recall needs (Arora et al. 2023, Zoology). No activation.
+        The decode cache keeps its last conv_size - 1 inputs (`conv_tail`), counted in `cache_bytes`."""
+        from .short_conv import ShortConvolution
+
+        if conv_size > 0:
+            self.input_conv = ShortConvolution(self.d_model, conv_size, bias=bias, activation=None)
+
+    def shift(self, x: torch.Tensor, cache: Optional[Any]) -> torch.Tensor:
+        """Apply the input conv (identity without one), reading and updating `cache.conv_tail`."""
+        if self.input_conv is None:
+            return x
+        y, tail = self.input_conv(x, None if cache is None else cache.conv_tail)
+        if cache is not None:
+            cache.conv_tail = tail.contiguous()  # a view of the padded input: own the K-1 columns only
+        return y
+
+    def input_conv_bytes(self, batch: int, dtype: torch.dtype) -> int:
+        if self.input_conv is None:
+            return 0
+        return batch * self.input_conv.channels * (self.input_conv.kernel_size - 1) * dtype_bytes(dtype)
+
+    def input_conv_flops(self) -> float:
+        return 0.0 if self.input_conv is None else self.input_conv.flops_per_token()
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[Any] = None) -> torch.Tensor:
         raise NotImplementedError
@@ -38,6 +67,16 @@ class Mixer(nn.Module):
 
     def flops_per_token(self, context_len: int) -> float:
         raise NotImplementedError
+
+
+def validate_conv(cfg: Any, field: str) -> None:
+    """A mixer config's `conv_size` (short causal conv, on the input or on q/k/v): >= 0, causal mixers only."""
+    from ..config import ConfigError
+
+    if cfg.conv_size < 0:
+        raise ConfigError(f"must be >= 0 (0 = no conv), got {cfg.conv_size}", field=f"{field}.conv_size")
+    if cfg.conv_size > 0 and not getattr(cfg, "causal", True):
+        raise ConfigError("the conv is causal; allowed with causal=false: 0", field=f"{field}.conv_size")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

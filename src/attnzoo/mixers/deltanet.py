@@ -24,6 +24,7 @@ from torch import nn
 from ..config import ConfigError, check_choice
 from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
 from ..registry import register_mixer
+from .base import validate_conv
 from .recurrent_base import RecurrentMixer, l2norm, upcast
 
 
@@ -55,8 +56,7 @@ class DeltaNetConfig:
             raise ConfigError(f"n_v_heads={hv} is not a multiple of n_heads={h}", field=f"{field}.n_v_heads")
         if self.chunk_size < 1:
             raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        if self.conv_size < 0:
-            raise ConfigError(f"must be >= 0 (0 = no conv), got {self.conv_size}", field=f"{field}.conv_size")
+        validate_conv(self, field)
         check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, check_choice
 from ..ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from ..registry import register_mixer
+from .base import validate_conv
 from .recurrent_base import RecurrentMixer
 
 FEATURE_MAPS = ("identity", "elu", "relu", "taylor2")
@@ -67,8 +68,7 @@ class LinearAttentionConfig:
         check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
         if self.chunk_size < 1:
             raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        if self.conv_size < 0:
-            raise ConfigError(f"must be >= 0 (0 = no conv), got {self.conv_size}", field=f"{field}.conv_size")
+        validate_conv(self, field)
 
 
 @register_mixer("linear_attention", LinearAttentionConfig)

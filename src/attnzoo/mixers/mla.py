@@ -33,7 +33,7 @@ from ..norm import RMSNorm
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
 from ..position import RotaryEmbedding
 from ..registry import register_mixer
-from .base import Mixer, causal_attended, dtype_bytes
+from .base import Mixer, causal_attended, dtype_bytes, validate_conv
 
 
 @dataclass
@@ -51,6 +51,8 @@ class MLAConfig:
     absorb: str = "decode"  # decode: absorbed form for one-token cached steps | always | never
     bias: bool = False  # biases on q_a_proj, kv_a_proj, o_proj (HF attention_bias)
     norm_eps: float = 1e-6  # the q and kv latent RMSNorms
+    conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
+    conv_bias: bool = False
 
     def sizes(self, model) -> dict:
         hd = model.head_dim or model.d_model // model.n_heads
@@ -74,6 +76,7 @@ class MLAConfig:
         dr = self.sizes(model)["qk_rope_head_dim"]
         if dr % 2:
             raise ConfigError(f"must be even (RoPE rotates pairs), got {dr}", field=f"{field}.qk_rope_head_dim")
+        validate_conv(self, field)
 
 
 @register_mixer("mla", MLAConfig)
@@ -102,6 +105,7 @@ class MLA(Mixer):
         # the decoupled key is the only place position enters, so it rotates fully (rotary_fraction is for
         # ordinary heads); without RoPE in the model it is just a shared, position-free key part
         self.rope = RotaryEmbedding(self.dr, pos.theta) if pos.name == "rope" else None
+        self.build_input_conv(cfg.conv_size, cfg.conv_bias)
 
     # ------------------------------------------------------------------ projections
     def _rotate(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
@@ -178,7 +182,7 @@ class MLA(Mixer):
     # ------------------------------------------------------------------ contract
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[LatentCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q_nope, q_rope, latent = self.project(x, positions)
+        q_nope, q_rope, latent = self.project(self.shift(x, cache), positions)
         if cache is not None:
             latent = cache.update(latent)  # (B, S, r + dr): every token so far
         mode = self.cfg.absorb
@@ -190,10 +194,11 @@ class MLA(Mixer):
         return LatentCache(self.kv_lora_rank)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        return (self.kv_lora_rank + self.dr) * context_len * batch * dtype_bytes(dtype)
+        latents = (self.kv_lora_rank + self.dr) * context_len * batch * dtype_bytes(dtype)
+        return latents + self.input_conv_bytes(batch, dtype)
 
     def flops_per_token(self, context_len: int) -> float:
         """Expanded form (training / prefill): every projection, then QK^T over dn + dr and PV over dv per head."""
         proj = sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, nn.Linear))
         keys = causal_attended(context_len)
-        return 2.0 * proj + 2.0 * self.n_heads * (self.dn + self.dr + self.dv) * keys
+        return 2.0 * proj + self.input_conv_flops() + 2.0 * self.n_heads * (self.dn + self.dr + self.dv) * keys
