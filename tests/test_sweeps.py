@@ -108,11 +108,11 @@ def test_mixers_smoke_sweep_and_report(tmp_path):
     for b in rep["best"]:
         accs = [float(r["val/acc"]) for r in rows if r["mixer"] == b["mixer"]]
         assert b["metrics"]["val/acc"] == max(accs)
-    for name in ("curves.png", "acc_vs_cache.png", "tokens_per_sec.png", "mqar_difficulty.png"):
+    for name in ("curves.png", "acc_vs_cache.png", "tokens_per_sec.png", "mqar_difficulty.png", "recall_vs_state.png"):
         p = d / "plots" / name
         assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000, name
     html = (d / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4 and "deltanet" in html
+    assert html.count("data:image/png;base64,") == 5 and "deltanet" in html
     md = (d / "report.md").read_text()
     assert "attnzoo-sweep mixers" in md and md.count("| ok |") == 6  # 2 best rows + 4 job rows
 
@@ -124,8 +124,9 @@ def test_failing_job_is_recorded_and_others_finish(tmp_path):
     assert rows["0"]["status"] == "failed" and "n_kv_heads" in rows["0"]["error"]
     assert (d / "0" / "error.txt").is_file()
     assert rows["1"]["status"] == "ok" and float(rows["1"]["val/loss"]) > 0
-    # 8 query heads, 2 KV heads, head_dim 32/8=4, 2 layers, K and V, fp32
-    assert float(rows["1"]["cache/bytes_per_token"]) == 2 * 2 * 2 * 4 * 4
+    # 8 query heads, 2 KV heads, head_dim 32/8=4, 2 layers, K and V, fp32; plus the input conv's tail
+    # (2 layers x d_model 32 x 3 columns, fp32) spread over the 64-token context
+    assert float(rows["1"]["cache/bytes_per_token"]) == 2 * 2 * 2 * 4 * 4 + 2 * 32 * 3 * 4 / 64
     assert "**FAILED**" in (d / "report.md").read_text() and "class='failed'" in (d / "report.html").read_text()
     assert [j["status"] for j in rep["jobs"]] == ["failed", "ok"]
 

@@ -37,6 +37,8 @@ def brute_force_mqar(x, y, mask, V, N):
     assert sorted(x[p] for p in qpos) == sorted(keys)  # every key queried exactly once
     for p in qpos:
         assert y[p] == table[x[p]]
+    # unambiguous: a key occurs only in its pair and at its query (no filler copy of a key)
+    assert all((x == k).sum() == 2 for k in keys)
     assert (y[~mask] == 0).all() and (x < V).all() and (x >= 0).all() and L == len(y)
 
 
@@ -103,8 +105,8 @@ def test_splits_deterministic_per_seed():
 
 
 def test_val_disjoint_from_train_in_a_tiny_task_space():
-    # V=8, L=4, N=1: 3 keys x 4 values x 8 fillers = 96 distinct examples; 200 training draws cover most
-    cfg = data_cfg("mqar", vocab_size=8, seq_len=4, num_kv_pairs=1, train_size=200, val_size=10)
+    # V=8, L=4, N=1: 3 keys x 4 values x 7 fillers (never the key) = 84 distinct examples; 150 draws cover most
+    cfg = data_cfg("mqar", vocab_size=8, seq_len=4, num_kv_pairs=1, train_size=150, val_size=10)
     s = make_splits(generate_mqar, cfg, 0)
     train, val = rows(s["train"]), rows(s["val"])
     assert len(val) == 10 and not (train & val)

@@ -65,6 +65,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
+    # gpt2: every Linear/Embedding weight ~ N(0, init_std), residual output projections / sqrt(2 n_layers)
+    # (Radford et al. 2019); pytorch: each module's own default (Linear: U(+-1/sqrt(fan_in)), Embedding:
+    # N(0, 1)), as Zoology's and the reference MQAR models train
+    init: str = "gpt2"
     mixer: Any = None  # {name: gqa, ...}: the default mixer of every layer
     ffn: Any = None  # {name: swiglu, ...}
     position: PositionConfig = field(default_factory=PositionConfig)
@@ -259,6 +263,7 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
         f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}; allowed: {', '.join(map(str, divisors))}",
     )
     check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
+    check_choice(cfg.init, "model.init", ("gpt2", "pytorch"))
     check_choice(cfg.position.name, "model.position.name", ("rope", "sinusoidal", "learned", "none"))
     check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
     check_choice(cfg.norm.name, "model.norm.name", ("rmsnorm", "layernorm"))

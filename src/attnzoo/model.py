@@ -68,13 +68,14 @@ class DecoderLM(nn.Module):
         # pre-norm needs a final norm before the head; post-norm blocks already end normalised
         self.norm = build_norm(cfg.norm, cfg.d_model) if cfg.norm_position == "pre" else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if cfg.init == "gpt2":
+            self.apply(self._init_weights)
+            # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layers)
+            for name, p in self.named_parameters():
+                if name.endswith(("o_proj.weight", "down.weight")):
+                    nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layers)
-        for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down.weight")):
-                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -8,7 +8,8 @@ writes into the multirun dir:
                 numbers), steps, wall seconds, error
   report.md     the best-of-learning-rate table (one row per variant) and the full per-job table
   plots/*.png   curves.png (loss / accuracy vs step, best lr per variant), acc_vs_cache.png (val/acc or
-                val/loss vs cache/bytes_per_token), tokens_per_sec.png, mqar_difficulty.png (MQAR accuracy
+                val/loss vs cache/bytes_per_token), tokens_per_sec.png, recall_vs_state.png (MQAR accuracy vs
+                cache/bytes_at_ctx, Zoology's view), mqar_difficulty.png (MQAR accuracy
                 vs key-value pairs per mixer, one panel per width)
   report.html   self-contained: both tables and the plots embedded as base64
 
@@ -303,6 +304,45 @@ def plot_mqar_difficulty(jobs: list[dict], path: Path) -> bool:
     return True
 
 
+def plot_recall_vs_state(jobs: list[dict], path: Path) -> bool:
+    """Zoology's headline view (Arora et al. 2023, Fig. 2): MQAR accuracy vs the state a mixer holds at the
+    task's context (`cache/bytes_at_ctx`, measured by a real prefill), a line per mixer through its widths,
+    a panel per number of key-value pairs. Best learning rate per (mixer, N, d_model)."""
+    mq = [j for j in jobs if (j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok"
+          and _finite(j["metrics"].get("val/acc")) and _finite(j["metrics"].get("cache/bytes_at_ctx"))
+          and _pairs(j) is not None]
+    if not mq:
+        return False
+    best: dict[tuple, dict] = {}  # (N, mixer, d_model) -> the best job
+    for j in mq:
+        key = (int(_pairs(j)), j["mixer"], (j["summary"].get("model") or {}).get("d_model"))
+        if key not in best or j["metrics"]["val/acc"] > best[key]["metrics"]["val/acc"]:
+            best[key] = j
+    ns = sorted({k[0] for k in best})
+    mixers = sorted({k[1] for k in best})
+    plt = _plt()
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.5 * len(ns), 4.2), squeeze=False, sharey=True)
+    for ax, n in zip(axes[0], ns):
+        for i, mixer in enumerate(mixers):
+            pts = sorted((j["metrics"]["cache/bytes_at_ctx"], j["metrics"]["val/acc"])
+                         for (kn, km, _), j in best.items() if kn == n and km == mixer)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colors(i % 10), label=mixer)
+        ax.set_xscale("log")
+        ax.set_xlabel("state size: cache/bytes_at_ctx (bytes)")
+        ax.set_title(f"MQAR, N={n} key-value pairs")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("val/acc (best lr)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("recall vs state size (points: model widths)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -326,6 +366,7 @@ def build_report(root: str | Path) -> dict:
         ("acc_vs_cache.png", plot_acc_vs_cache(best, metric, plots_dir / "acc_vs_cache.png")),
         ("tokens_per_sec.png", plot_tokens_per_sec(best, plots_dir / "tokens_per_sec.png")),
         ("mqar_difficulty.png", plot_mqar_difficulty(jobs, plots_dir / "mqar_difficulty.png")),
+        ("recall_vs_state.png", plot_recall_vs_state(jobs, plots_dir / "recall_vs_state.png")),
     ]:
         if ok:
             plots[name] = plots_dir / name
