@@ -41,8 +41,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> None:
-    """Fail with one line if `path` is not a complete, loadable checkpoint (before any work)."""
+def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
+    """Fail with one line if `path` is not a complete, loadable checkpoint (before any work); return it
+    (memory-mapped: reading `hyper_parameters` or `global_step` does not load the weights)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
@@ -56,3 +57,35 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> None:
     missing = [k for k in ("state_dict", "global_step") if k not in state]
     if missing:
         raise ConfigError(f"{path} is not a training checkpoint (missing {', '.join(missing)})", field=field)
+    return state
+
+
+# a resumed run may change these without changing what the checkpoint means
+RESUMABLE_CHANGES = ("data.num_workers",)
+
+
+def _flat(d: Any, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path) -> None:
+    """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
+    config other than the one it was trained with (weights of another shape fail to load; a silent
+    change, e.g. of the positional encoding, would load and mean something else)."""
+    if not saved_cfg:
+        return
+    old = {k: v for k, v in _flat({s: saved_cfg.get(s) for s in ("model", "data")}).items()}
+    new = {k: v for k, v in _flat({s: cfg.get(s) for s in ("model", "data")}).items()}
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+    diff.sort(key=lambda k: not k.endswith(".name"))  # a swapped part (mixer, ffn, ...) first, then its fields
+    if diff:
+        shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff[:6])
+        more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+        raise ConfigError(
+            f"{path} was trained with another model/data config: {shown}{more}; allowed: the run's own values "
+            f"(attnzoo-train --resume RUN_DIR reuses them)", field="ckpt_path")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from . import hooks
 from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
 
@@ -114,6 +115,22 @@ class TrainingModule(L.LightningModule):
     def on_train_end(self) -> None:
         self._check_deferred()
 
+    # ------------------------------------------------------------------ stateful submodules (MoE)
+    def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """Log the model's submodule stats and add their auxiliary losses (MoE balancing) to the training
+        loss, for every model family: a routed FFN inside an encoder-decoder balances like one in a decoder."""
+        for name, value in hooks.stats(self.model).items():
+            self.log(name, value)
+        aux = hooks.aux_loss(self.model)
+        return loss if aux is None else loss + aux
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """After each optimizer step (not each micro-batch), let submodules update their own state (MoE
+        aux-loss-free bias). Done here rather than in on_train_batch_end so the update lands *before* the
+        checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use."""
+        super().optimizer_step(*args, **kwargs)
+        hooks.after_optimizer_step(self.model)
+
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum a vector of validation statistics over all ranks."""
         if self.trainer.world_size > 1:
@@ -185,12 +202,7 @@ class LitLM(TrainingModule):
         if not self._guard_loss(loss):
             return None  # Lightning skips the optimizer step
         self.log("train/loss", loss, prog_bar=True)
-        aux = self.model.aux_loss()
-        if aux is not None:
-            loss = loss + aux
-        for name, value in self.model.stats().items():
-            self.log(name, value)
-        return loss
+        return self._with_aux(loss)
 
     def on_validation_epoch_start(self) -> None:
         # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end
@@ -214,7 +226,3 @@ class LitLM(TrainingModule):
         if self._val_has_mask:  # synthetic tasks: accuracy on the answer positions only
             self.log("val/acc", (correct / count).float(), prog_bar=True, sync_dist=False)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        # after_optimizer_step hooks (MoE bias) run once per optimizer step, not per micro-batch
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
-            self.model.after_optimizer_step()

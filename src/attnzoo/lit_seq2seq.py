@@ -83,7 +83,7 @@ class LitSeq2Seq(_Base):
         if not self._guard_loss(loss):
             return None
         self.log("train/loss", loss, prog_bar=True)
-        return loss
+        return self._with_aux(loss)
 
     def on_validation_epoch_start(self) -> None:
         # [summed ce, target tokens, correct tokens (teacher forced), exact-match sequences, sequences]
@@ -140,7 +140,7 @@ class LitMLM(_Base):
         if not self._guard_loss(loss):
             return None
         self.log("train/loss", loss, prog_bar=True)
-        return loss
+        return self._with_aux(loss)
 
     def on_validation_epoch_start(self) -> None:
         self._val = torch.zeros(3, device=self.device, dtype=torch.float64)  # [summed ce, chosen, correct]

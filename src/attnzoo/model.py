@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hooks
 from .cache import ModelCache
 from .config import ModelConfig, layer_mixer_configs, resolve_model
 from .ffn import build_ffn
@@ -116,26 +117,16 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ hooks for stateful parts (MoE)
     def aux_loss(self) -> Optional[torch.Tensor]:
-        """Sum of the auxiliary losses (MoE balancing) that submodules left from the last forward
-        as a tensor attribute `aux_loss`; the LightningModule adds it to the training loss."""
-        terms = [m.aux_loss for m in self.modules() if m is not self and isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
-        return torch.stack(terms).sum() if terms else None
+        """Sum of the auxiliary losses (MoE balancing) submodules left from the last forward (hooks.py)."""
+        return hooks.aux_loss(self)
 
     def stats(self) -> dict:
-        """Metrics from submodules defining `stats() -> {name: tensor}` (e.g. moe/load_max_over_mean),
-        averaged over layers under the same name; the LightningModule logs them."""
-        acc: dict = {}
-        for m in self.modules():
-            if m is not self and hasattr(m, "stats") and callable(m.stats):
-                for k, v in m.stats().items():
-                    acc.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32))
-        return {k: torch.stack(v).mean() for k, v in acc.items()}
+        """Submodule metrics (e.g. moe/load_max_over_mean), averaged over layers (hooks.py)."""
+        return hooks.stats(self)
 
     def after_optimizer_step(self) -> None:
-        """Called by the LightningModule after each optimizer step (e.g. aux-loss-free bias updates)."""
-        for m in self.modules():
-            if m is not self and hasattr(m, "after_optimizer_step"):
-                m.after_optimizer_step()
+        """Called after each optimizer step (e.g. aux-loss-free bias updates; hooks.py)."""
+        hooks.after_optimizer_step(self)
 
     # ------------------------------------------------------------------ caches and accounting
     @property

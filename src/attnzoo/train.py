@@ -36,14 +36,17 @@ def flatten(d: Any, prefix: str = "") -> dict:
     return out
 
 
-def build_loggers(logger_cfg: dict, out: Path, container: dict) -> list:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int | None = None) -> list:
+    """The configured loggers; `resume_step` (a resumed run's checkpoint step) continues csv/metrics.csv."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from .csv_logger import ResumableCSVLogger
 
     loggers = []
     for name, opts in (logger_cfg or {}).items():
         opts = dict(opts or {})
         if name == "csv":
-            loggers.append(CSVLogger(save_dir=str(out), name="csv", version=""))
+            loggers.append(ResumableCSVLogger(save_dir=str(out), name="csv", version="", resume_step=resume_step))
         elif name == "tensorboard":
             loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False))
         elif name == "wandb" and is_rank_zero():  # one wandb run per job, not one per rank
@@ -55,20 +58,20 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict) -> list:
     return loggers
 
 
-def resolve_ckpt(ckpt_path: str | None, out: Path) -> str | None:
-    """`last` -> <out>/checkpoints/last.ckpt; check the file is a complete, loadable checkpoint."""
+def resolve_ckpt(ckpt_path: str | None, out: Path) -> tuple[str | None, dict | None]:
+    """`last` -> <out>/checkpoints/last.ckpt; check the file is a complete, loadable checkpoint.
+    Returns (path, checkpoint) — the checkpoint memory-mapped — or (None, None)."""
     from .checkpoint import check_checkpoint
 
     if ckpt_path is None:
-        return None
+        return None, None
     if ckpt_path == "last":
         p = out / "checkpoints" / "last.ckpt"
         if not p.exists():
             raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
     else:
         p = Path(ckpt_path).expanduser()
-    check_checkpoint(p)
-    return str(p)
+    return str(p), check_checkpoint(p)
 
 
 def is_rank_zero() -> bool:
@@ -137,6 +140,16 @@ def describe_model(model) -> str:
 
 def train(cfg: DictConfig) -> dict:
     """Train one run from a composed config; returns the final metrics (also written to summary.json)."""
+    from .rundir import run_dir_lock
+
+    t_start = time.perf_counter()
+    parts = validate(cfg)  # every config error surfaces here, before any work
+    out = Path(parts["run"].paths.output_dir).expanduser()
+    with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
+        return _train(cfg, parts, out, t_start)
+
+
+def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -151,13 +164,10 @@ def train(cfg: DictConfig) -> dict:
     from .lit import LitLM
     from .model import DecoderLM
 
-    t_start = time.perf_counter()
-    parts = validate(cfg)  # every config error surfaces here, before any work
     run, data_cfg = parts["run"], parts["data"]
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
-    out = Path(run.paths.output_dir).expanduser()
-    ckpt_path = resolve_ckpt(run.ckpt_path, out)
+    ckpt_path, ckpt = resolve_ckpt(run.ckpt_path, out)
 
     L.seed_everything(run.seed, workers=True, verbose=False)
     dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
@@ -165,6 +175,10 @@ def train(cfg: DictConfig) -> dict:
     from .budget import apply_budget
 
     budget = apply_budget(container, dm.vocab_size)  # matched parameter budget: adjusts a width in place
+    if ckpt is not None:  # before anything is built or written: a refused resume leaves the run dir as it was
+        from .checkpoint import check_resume_compatible
+
+        check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
 
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
@@ -182,7 +196,7 @@ def train(cfg: DictConfig) -> dict:
     model = lit.model
 
     out.mkdir(parents=True, exist_ok=True)
-    loggers = build_loggers(parts["logger"], out, container)
+    loggers = build_loggers(parts["logger"], out, container, None if ckpt is None else int(ckpt["global_step"]))
     cb_cfg = dict(parts["callbacks"] or {})
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
     throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
@@ -226,7 +240,7 @@ def train(cfg: DictConfig) -> dict:
             (out / "summary.json").write_text(json.dumps({"status": "preempted", "global_step": trainer.global_step,
                                                          "output_dir": str(out)}, indent=2))
             print(f"attnzoo: SIGTERM at step {trainer.global_step}; saved {out / 'checkpoints' / 'last.ckpt'}; "
-                  f"resume with ckpt_path=last hydra.run.dir={out}", flush=True)
+                  f"resume with: attnzoo-train --resume {out}", flush=True)
         return {"status": "preempted", "global_step": trainer.global_step}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     # validation of the final weights (the last scheduled validation may be steps earlier)
@@ -282,6 +296,17 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
+# statuses of the jobs this process ran under -m ("ok" / "failed" / "skipped"), for the closing tally
+JOB_STATUSES: list[str] = []
+
+
+def _previous_status(out: Path) -> str | None:
+    try:
+        return json.loads((out / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _run_job(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -290,6 +315,20 @@ def _run_job(cfg: DictConfig) -> float | None:
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     except ValueError:
         multirun = False
+    target = cfg.get("optimized_metric") or "val/loss"
+    if multirun:
+        # a sweep rerun into the same sweep dir: finished jobs are skipped, interrupted ones resume
+        out = Path(cfg.paths.output_dir)
+        if _previous_status(out) == "ok":
+            JOB_STATUSES.append("skipped")
+            print(f"attnzoo: {out} finished earlier; skipped", flush=True)
+            return json.loads((out / "summary.json").read_text())["metrics"].get(target)
+        if cfg.get("ckpt_path") is None and (out / "checkpoints" / "last.ckpt").is_file():
+            from omegaconf import open_dict
+
+            with open_dict(cfg):
+                cfg.ckpt_path = "last"
+            print(f"attnzoo: resuming {out} from its last.ckpt", flush=True)
     try:
         metrics = train(cfg)
     except (ConfigError, FileNotFoundError) as e:
@@ -306,11 +345,13 @@ def _run_job(cfg: DictConfig) -> float | None:
     if metrics.get("status") == "preempted":
         # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
         sys.exit(0)
-    target = cfg.get("optimized_metric")
-    return metrics.get(target) if target else metrics.get("val/loss")
+    if multirun:
+        JOB_STATUSES.append("ok")
+    return metrics.get(target)
 
 
 def _record_failure(cfg: DictConfig, err: BaseException) -> None:
+    JOB_STATUSES.append("failed")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "error.txt").write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
@@ -338,15 +379,50 @@ def check_group_overrides(args: list[str]) -> str | None:
     return None
 
 
+def resume_argv(argv: list[str]) -> list[str]:
+    """`--resume RUN_DIR [overrides...]` -> the run's own overrides (from RUN_DIR/.hydra/overrides.yaml),
+    then the given ones, then `hydra.run.dir=RUN_DIR ckpt_path=last`. Other argv pass through unchanged."""
+    if "--resume" not in argv:
+        return argv
+    i = argv.index("--resume")
+    if i + 1 >= len(argv):
+        raise ConfigError("needs the run directory: attnzoo-train --resume RUN_DIR [overrides...]", field="--resume")
+    run_dir = Path(argv[i + 1]).expanduser().resolve()
+    saved = run_dir / ".hydra" / "overrides.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no .hydra/overrides.yaml)", field="--resume")
+    if not (run_dir / "checkpoints" / "last.ckpt").is_file():
+        raise ConfigError(f"{run_dir} has no checkpoints/last.ckpt to resume from", field="--resume")
+    own = [o for o in (OmegaConf.load(saved) or []) if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
+    if any(str(o).startswith("+sweeps=") for o in own):  # a sweep job: its sweep file must be found again
+        from .sweep import sweeps_dir
+
+        own.insert(0, f"hydra.searchpath=[file://{sweeps_dir().parent}]")
+    rest = argv[:i] + argv[i + 2:]
+    return [*map(str, own), *rest, f"hydra.run.dir={run_dir}", "ckpt_path=last"]
+
+
 def main() -> None:
     import hydra
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    try:
+        sys.argv[1:] = resume_argv(sys.argv[1:])
+    except ConfigError as e:
+        print(f"attnzoo: error: {e}", file=sys.stderr)
+        sys.exit(2)
     problem = check_group_overrides(sys.argv[1:])
     if problem:
         print(f"attnzoo: error: {problem}", file=sys.stderr)
         sys.exit(2)
+    JOB_STATUSES.clear()
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
+    if JOB_STATUSES:  # a multirun: the tally, and a failing exit status if any job failed
+        n = {s: JOB_STATUSES.count(s) for s in ("ok", "failed", "skipped")}
+        print(f"attnzoo: {n['ok']} ok, {n['failed']} failed" + (f", {n['skipped']} skipped (finished earlier)"
+                                                                 if n["skipped"] else ""), flush=True)
+        if n["failed"]:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Hooks of stateful submodules (routed FFNs), collected from any model family by walking its modules.
+
+A submodule may define any of: a tensor attribute `aux_loss` left by its last forward (added to the
+training loss), `stats() -> {name: tensor}` (logged, averaged over layers under one name), and
+`after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias).
+`DecoderLM`, the encoder-decoder and the LightningModules all use these, so no model family can
+forget one (the MoE loss silently absent from the loss: DESIGN.md pitfall 5).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def _children(model: nn.Module):
+    return (m for m in model.modules() if m is not model)
+
+
+def aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """Sum of the submodules' `aux_loss` tensors from the last forward, or None."""
+    terms = [m.aux_loss for m in _children(model) if isinstance(getattr(m, "aux_loss", None), torch.Tensor)]
+    return torch.stack(terms).sum() if terms else None
+
+
+def stats(model: nn.Module) -> dict:
+    """{name: mean over the submodules reporting it} of every submodule's `stats()`."""
+    acc: dict = {}
+    for m in _children(model):
+        if callable(getattr(m, "stats", None)):
+            for k, v in m.stats().items():
+                acc.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32))
+    return {k: torch.stack(v).mean() for k, v in acc.items()}
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    for m in _children(model):
+        if callable(getattr(m, "after_optimizer_step", None)):
+            m.after_optimizer_step()

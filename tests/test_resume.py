@@ -1,0 +1,118 @@
+"""Resume keeps everything: a run split in two by a checkpoint equals the uninterrupted run step for step
+(MoE aux-loss-free bias included), its metrics.csv continues instead of restarting, a checkpoint is
+refused under another model/data config in one line, `--resume RUN_DIR` re-composes the run's own
+overrides, and a run directory has one live owner."""
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnzoo.config import ConfigError
+from attnzoo.rundir import LOCK_NAME, run_dir_lock
+from attnzoo.train import resume_argv, train
+from tests.conftest import SMALL_TEXT, compose_cfg
+
+# constant LR after warmup: a run stopped at step 4 and resumed to 8 follows the same schedule as one run to 8
+BASE = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
+        "perf.measure_decode=false", "sample.max_new_tokens=0", "scheduler=constant", "trainer.val_check_interval=4",
+        "callbacks.checkpoint_every_n_steps=4", "callbacks.save_best=false", "trainer.limit_val_batches=1"]
+MOE = ["model/ffn=moe", "model.ffn.n_experts=4", "model.ffn.top_k=1", "model.ffn.bias_update_speed=0.01",
+       "model.ffn.aux_loss_coef=0.0"]
+
+
+def rows(run_dir) -> list[dict]:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {int(r["step"]): float(r["train/loss"]) for r in rows(run_dir) if r.get("train/loss")}
+
+
+@pytest.mark.parametrize("extra", [[], MOE], ids=["dense", "moe-aux-free-bias"])
+def test_stop_and_resume_equals_uninterrupted(tmp_path, extra):
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    a = train(compose_cfg(BASE + extra + ["trainer.max_steps=8"], ref))
+    train(compose_cfg(BASE + extra + ["trainer.max_steps=4"], split))
+    b = train(compose_cfg(BASE + extra + ["trainer.max_steps=8", "ckpt_path=last"], split))
+    la, lb = train_losses(ref), train_losses(split)
+    assert sorted(lb) == sorted(la) == list(range(8))  # the curve is continuous: steps 0-3 kept, 4-7 appended
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
+    assert b["val/loss"] == pytest.approx(a["val/loss"], abs=1e-6)
+    if extra:  # the checkpoint holds the bias the next step uses: both runs end on the same bias
+        def bias(run):
+            sd = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+            return torch.stack([v for k, v in sorted(sd.items()) if k.endswith("expert_bias")])
+
+        assert bias(ref).abs().sum() > 0
+        torch.testing.assert_close(bias(split), bias(ref), atol=0, rtol=0)
+
+
+def test_finished_run_resumed_changes_nothing(tmp_path):
+    """The issue's reproduction: finish a MoE run, rerun it with ckpt_path=last: val/loss must not change."""
+    a = train(compose_cfg(BASE + MOE + ["trainer.max_steps=8"], tmp_path / "r"))
+    b = train(compose_cfg(BASE + MOE + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "r"))
+    assert b["val/loss"] == a["val/loss"]
+
+
+def test_resume_under_another_model_config_is_refused_and_touches_nothing(tmp_path):
+    run = tmp_path / "r"
+    train(compose_cfg(BASE + ["trainer.max_steps=4"], run))
+    before = (run / "csv" / "metrics.csv").read_bytes()
+    for change, field in [("model/mixer=mla", "model.mixer.name"), ("model.d_model=64", "model.d_model"),
+                          ("model/position=none", "model.position.name"), ("model/ffn=moe", "model.ffn.name")]:
+        with pytest.raises(ConfigError, match=rf"^ckpt_path: .*{field} ") as e:
+            train(compose_cfg(BASE + ["trainer.max_steps=8", "ckpt_path=last", change], run))
+        assert "\n" not in str(e.value)
+    assert (run / "csv" / "metrics.csv").read_bytes() == before
+    assert not (run / LOCK_NAME).exists()  # released after the refusal
+
+
+def test_resume_argv_recomposes_the_runs_own_overrides(tmp_path):
+    run = tmp_path / "r"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / ".hydra" / "overrides.yaml").write_text("- model/mixer=mla\n- model.d_model=64\n- ckpt_path=last\n")
+    assert resume_argv(["--resume", str(run), "trainer.max_steps=9"]) == [
+        "model/mixer=mla", "model.d_model=64", "trainer.max_steps=9", f"hydra.run.dir={run.resolve()}", "ckpt_path=last"]
+    assert resume_argv(["model.d_model=8"]) == ["model.d_model=8"]
+    with pytest.raises(ConfigError, match="^--resume: .* is not a run directory"):
+        resume_argv(["--resume", str(tmp_path)])
+
+
+def test_resume_hint_printed_after_a_run_works_when_pasted(tmp_path):
+    """`attnzoo-train --resume RUN_DIR` through the real CLI: the run's overrides come back, so the model
+    matches its checkpoint and the run continues to a larger max_steps."""
+    run = tmp_path / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
+    first = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "model.d_model=48", "model.n_heads=4",
+                            "trainer.max_steps=4", *common], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run([sys.executable, "-m", "attnzoo.train", "--resume", str(run), "trainer.max_steps=8"],
+                            env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert sorted(train_losses(run)) == list(range(8))
+
+
+def test_a_live_run_owns_its_dir_and_a_stale_lock_is_taken_over(tmp_path):
+    out = tmp_path / "r"
+    with run_dir_lock(out):
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            (out / LOCK_NAME).write_text(f"{holder.pid} {os.uname().nodename}\n")  # as if another live run held it
+            with pytest.raises(ConfigError, match=rf"^hydra.run.dir: .* in use by a live run \(pid {holder.pid}"):
+                with run_dir_lock(out):
+                    pass
+        finally:
+            holder.kill()
+            holder.wait()
+    (out / LOCK_NAME).write_text(f"{holder.pid} {os.uname().nodename}\n")  # its owner is dead now: stale
+    with run_dir_lock(out):
+        assert (out / LOCK_NAME).read_text().startswith(str(os.getpid()))
+    assert not (out / LOCK_NAME).exists()
