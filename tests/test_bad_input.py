@@ -31,7 +31,27 @@ def _cases(tmp):
         ("missing ckpt", [f"ckpt_path={tmp}/none.ckpt"], "ckpt_path", "does not exist"),
         ("corrupt ckpt", [f"ckpt_path={tmp}/bad.ckpt"], "ckpt_path", "corrupt or truncated"),
         ("ckpt last absent", ["ckpt_path=last"], "ckpt_path", "no checkpoint"),
+        ("ckpt is a directory", [f"ckpt_path={tmp}"], "ckpt_path", "is a directory"),
+        ("one beta", ["optim.betas=[0.9]"], "optim.betas", "two values in [0, 1)"),
+        ("negative weight decay", ["optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
+        ("val interval 0", ["trainer.val_check_interval=0"], "trainer.val_check_interval", "allowed:"),
+        ("negative val batches", ["trainer.limit_val_batches=-1"], "trainer.limit_val_batches", "allowed:"),
+        ("zero devices", ["trainer.devices=0"], "trainer.devices", "allowed:"),
+        ("negative clip", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", "null (no clipping)"),
+        ("negative checkpoint interval", ["callbacks.checkpoint_every_n_steps=-1"], "callbacks.checkpoint_every_n_steps", "allowed:"),
+        ("unknown monitor", ["callbacks.monitor=val/nosuch"], "callbacks.monitor", "allowed: val/loss, val/ppl"),
+        ("negative head_dim", ["model.head_dim=-4"], "model.head_dim", "positive or null"),
+        ("zero head_dim", ["model.head_dim=0"], "model.head_dim", "positive or null"),
+        ("negative norm eps", ["model.norm.eps=-1"], "model.norm.eps", "positive"),
+        ("negative workers", ["data.num_workers=-1"], "data.num_workers", ">= 0"),
+        ("context > max_seq_len", ["model.max_seq_len=16"], "data.seq_len", "exceeds model.max_seq_len=16"),
+        ("negative warmup", ["scheduler.warmup_steps=-5"], "scheduler.warmup_steps", ">= 0"),
+        ("negative lr floor", ["scheduler.min_lr_ratio=-1"], "scheduler.min_lr_ratio", "in [0, 1]"),
+        ("misspelt key", ["+model.n_head=4"], "model.n_head", "did you mean model.n_heads?"),
+        ("output dir under a file", [f"paths.output_dir={tmp}/empty.txt/run"], "paths.output_dir", "not writable"),
     ]
+    if not torch.cuda.is_available():
+        cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))
     if "mla" in MIXERS.names():
         cases.append(("mla ranks", ["model/mixer=mla", "model.mixer.kv_lora_rank=0"], "model.layers[0].mixer.kv_lora_rank", ""))
     if "sliding_window" in MIXERS.names():
@@ -48,8 +68,9 @@ CASE_NAMES = [c[0] for c in _cases(__import__("pathlib").Path("/tmp"))]
 def test_bad_input_fails_before_work_with_one_line(case, tmp_path):
     name, overrides, field, phrase = next(c for c in _cases(tmp_path) if c[0] == case)
     out = tmp_path / "run"
+    own_out = any(o.startswith("paths.output_dir=") for o in overrides)  # the case names its own output dir
     with pytest.raises(ConfigError) as e:
-        train(compose_cfg(FAST + overrides, out))
+        train(compose_cfg(FAST + overrides, None if own_out else out))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(field), msg
     assert phrase in msg, msg
@@ -67,3 +88,13 @@ def test_unknown_group_option_is_one_line_listing_choices(arg, group):
 
 def test_valid_group_options_pass():
     assert check_group_overrides(["model/mixer=gqa,mqa", "trainer=cpu", "model.d_model=64", "seed=1"]) is None
+    assert check_group_overrides(["logger=[csv,tensorboard]"]) is None  # several options of a group at once
+    assert check_group_overrides(["logger=[csv,nosuch]"]).startswith("logger: unknown option 'nosuch'")
+
+
+def test_several_loggers_at_once(tmp_path):
+    """`logger=[tensorboard,wandb]` (Hydra's list syntax) composes both loggers into one run."""
+    from attnzoo.config import validate
+
+    parts = validate(compose_cfg(FAST + ["logger=[tensorboard,wandb]"], tmp_path / "run"))
+    assert {"csv", "tensorboard", "wandb"} <= set(parts["logger"])

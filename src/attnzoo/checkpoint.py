@@ -45,6 +45,8 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
     """Fail with one line if `path` is not a complete, loadable checkpoint (before any work); return it
     (memory-mapped: reading `hyper_parameters` or `global_step` does not load the weights)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path} is a directory; allowed: a .ckpt file, or `last` with hydra.run.dir=<run dir>", field=field)
     if not p.is_file():
         raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
     if p.stat().st_size == 0 or not zipfile.is_zipfile(p):

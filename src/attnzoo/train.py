@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, validate
+from .config import ConfigError, check_devices_present, validate
 from .paths import CONF_DIR
 
 log = logging.getLogger("attnzoo")
@@ -144,6 +144,7 @@ def train(cfg: DictConfig) -> dict:
 
     t_start = time.perf_counter()
     parts = validate(cfg)  # every config error surfaces here, before any work
+    check_devices_present(parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
     with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
         return _train(cfg, parts, out, t_start)
@@ -372,7 +373,8 @@ def check_group_overrides(args: list[str]) -> str | None:
         if not group_dir.is_dir() or "(" in value:
             continue
         allowed = sorted(p.stem for p in group_dir.glob("*.yaml"))
-        for option in value.split(","):
+        # `logger=[csv,tensorboard]`: several options of one group at once (Hydra's list syntax)
+        for option in value.strip().removeprefix("[").removesuffix("]").split(","):
             option = option.strip()
             if option and option != "null" and option not in allowed:
                 return f"{key}: unknown option {option!r}; allowed: {', '.join(allowed)}"
