@@ -8,7 +8,7 @@ from attnzoo.train import train
 from tests.conftest import compose_cfg
 
 # N=4 pairs in 32 tokens, d_model 64, 4 heads: 5-15 s per run on one thread (early stop at 99%)
-EASY = ["experiment=mqar", "data.seq_len=32", "data.num_kv_pairs=4", "model.d_model=64", "data.val_size=256",
+EASY = ["experiment=mqar", "data.seq_len=32", "data.num_kv_pairs=4", "model.d_model=64", "data.val_size=256", "trainer.max_steps=400",
         "trainer.val_check_interval=25", "trainer.enable_progress_bar=false", "perf.measure_decode=false",
         "seed=0"]
 

@@ -117,11 +117,11 @@ def test_mixers_smoke_sweep_and_report(tmp_path):
     assert "attnzoo-sweep mixers" in md and md.count("| ok |") == 6  # 2 best rows + 4 job rows
 
 
-def test_failing_job_is_recorded_and_others_finish(tmp_path, capsys):
+def test_failing_job_is_recorded_and_others_finish(tmp_path, capfd):
     d = tmp_path / "kv"
     with pytest.raises(SystemExit) as e:  # the sweep ends with a failing status when any job failed
         run_sweep("kv_heads", d, "model.n_kv_heads=3,2", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
-    assert e.value.code == 1 and "attnzoo: 1 ok, 1 failed" in capsys.readouterr().out
+    assert e.value.code == 1 and "attnzoo: 1 ok, 1 failed" in capfd.readouterr().out
     rep = build_report(d)
     rows = {r["job"]: r for r in read_csv(d / "report.csv")}
     assert rows["0"]["status"] == "failed" and "n_kv_heads" in rows["0"]["error"]
@@ -134,18 +134,19 @@ def test_failing_job_is_recorded_and_others_finish(tmp_path, capsys):
     assert [j["status"] for j in rep["jobs"]] == ["failed", "ok"]
 
 
-def test_sweep_rerun_skips_finished_jobs_and_resumes_interrupted_ones(tmp_path, capsys):
+def test_sweep_rerun_skips_finished_jobs_and_resumes_interrupted_ones(tmp_path, capfd):
     d = tmp_path / "win"
-    args = ("model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
+    # one after another in this process (hydra/launcher=basic): the parallel launcher is tested above
+    args = ("model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16", "hydra/launcher=basic")
     run_sweep("window", d, *args)
     first = {j: json.loads((d / j / "summary.json").read_text()) for j in ("0", "1")}
     # job 1 "interrupted": its summary gone, its last.ckpt kept (as after a SIGKILL)
     (d / "1" / "summary.json").unlink()
-    capsys.readouterr()
+    capfd.readouterr()
     run_sweep("window", d, *args)
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "finished earlier; skipped" in out and "resuming" in out
-    assert "attnzoo: 1 ok, 0 failed, 1 skipped (finished earlier)" in out
+    assert "attnzoo: 1 ok, 0 failed, 1 skipped (skipped: finished earlier)" in out
     assert json.loads((d / "0" / "summary.json").read_text()) == first["0"]  # untouched
     again = json.loads((d / "1" / "summary.json").read_text())
     assert again["status"] == "ok" and again["global_step"] == first["1"]["global_step"]

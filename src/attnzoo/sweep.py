@@ -8,13 +8,22 @@ values, and lists its grid under `hydra.sweeper.params`. This command runs attnz
 
 Extra overrides pass through: `debug=smoke`, `logger=wandb`, `hydra.sweep.dir=...`, or a grid key given
 again (`model/mixer=gqa,mha`) which replaces that key's values from the sweep file (Hydra's basic sweeper:
-the command line wins per key). Jobs run one after another in this process; a failing job is recorded
-in its own directory (error.txt, summary.json status "failed") and the sweep goes on.
+the command line wins per key). Jobs run two at a time in worker processes (`hydra/launcher=parallel`;
+`hydra/launcher=basic` runs them one after another in this process); a failing job is recorded in its own
+directory (error.txt, summary.json status "failed") and the sweep goes on; the sweep then prints
+"N ok, M failed" and exits 1 if any failed. Rerun with the same `hydra.sweep.dir` to skip finished jobs
+and resume interrupted ones from their last.ckpt.
 Afterwards: `attnzoo-report <the sweep dir>`.
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 from .paths import sweeps_dir
 
@@ -26,9 +35,44 @@ def available() -> list[str]:
 
 
 def hydra_argv(name: str, overrides: list[str]) -> list[str]:
-    """The attnzoo-train command line (without the program name) that runs sweep `name`."""
+    """The attnzoo-train command line (without the program name) that runs sweep `name`: jobs side by side
+    on the `parallel` launcher (one per core pair of threads) unless the overrides pick a launcher."""
     root = sweeps_dir().parent
-    return ["-m", f"hydra.searchpath=[file://{root}]", f"+{sweeps_dir().name}={name}", *overrides]
+    launcher = [] if any(o.startswith(("hydra/launcher=", "hydra.launcher.")) for o in overrides) else [
+        "hydra/launcher=parallel", f"hydra.launcher.n_jobs={PARALLEL_JOBS}"]
+    return ["-m", f"hydra.searchpath=[file://{root}]", f"+{sweeps_dir().name}={name}", *launcher, *overrides]
+
+
+# jobs side by side on a local sweep: two (each on half the cores), or one on a single-core machine
+PARALLEL_JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+class SweepTally(Callback):
+    """After a multirun (any launcher): one line "N ok, M failed[, K skipped]" from the jobs' own
+    summary.json files, and exit status 1 when a job failed, so a script or CI notices. A job whose
+    summary predates this multirun was finished earlier and skipped (a rerun into the same sweep dir)."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self.start = time.time()
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        counts = {"ok": 0, "failed": 0, "skipped": 0, "incomplete": 0}
+        for job in Path(config.hydra.sweep.dir).iterdir():
+            summary = job / "summary.json"
+            if not (job.is_dir() and job.name.isdigit()):
+                continue
+            try:
+                status = json.loads(summary.read_text()).get("status")
+            except (OSError, ValueError):
+                status = None
+            if status == "ok" and summary.stat().st_mtime < getattr(self, "start", 0):
+                status = "skipped"
+            counts[status if status in counts else "incomplete"] += 1
+        line = f"attnzoo: {counts['ok']} ok, {counts['failed']} failed"
+        line += "".join(f", {counts[k]} {k}" for k in ("skipped", "incomplete") if counts[k])
+        print(line + (" (skipped: finished earlier)" if counts["skipped"] else ""), flush=True)
+        if counts["failed"]:
+            sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     from . import train
 
     GlobalHydra.instance().clear()  # a previous in-process compose/run would block hydra.main
+    # the parallel launcher's worker processes read this when they import torch: half the cores each
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // PARALLEL_JOBS)))
     saved = sys.argv
     sys.argv = [f"attnzoo-sweep-{name}", *hydra_argv(name, overrides)]
     try:

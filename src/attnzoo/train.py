@@ -297,10 +297,6 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
     return metrics
 
 
-# statuses of the jobs this process ran under -m ("ok" / "failed" / "skipped"), for the closing tally
-JOB_STATUSES: list[str] = []
-
-
 def _previous_status(out: Path) -> str | None:
     try:
         return json.loads((out / "summary.json").read_text()).get("status")
@@ -321,7 +317,6 @@ def _run_job(cfg: DictConfig) -> float | None:
         # a sweep rerun into the same sweep dir: finished jobs are skipped, interrupted ones resume
         out = Path(cfg.paths.output_dir)
         if _previous_status(out) == "ok":
-            JOB_STATUSES.append("skipped")
             print(f"attnzoo: {out} finished earlier; skipped", flush=True)
             return json.loads((out / "summary.json").read_text())["metrics"].get(target)
         if cfg.get("ckpt_path") is None and (out / "checkpoints" / "last.ckpt").is_file():
@@ -346,13 +341,10 @@ def _run_job(cfg: DictConfig) -> float | None:
     if metrics.get("status") == "preempted":
         # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
         sys.exit(0)
-    if multirun:
-        JOB_STATUSES.append("ok")
     return metrics.get(target)
 
 
 def _record_failure(cfg: DictConfig, err: BaseException) -> None:
-    JOB_STATUSES.append("failed")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "error.txt").write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
@@ -417,14 +409,7 @@ def main() -> None:
     if problem:
         print(f"attnzoo: error: {problem}", file=sys.stderr)
         sys.exit(2)
-    JOB_STATUSES.clear()
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
-    if JOB_STATUSES:  # a multirun: the tally, and a failing exit status if any job failed
-        n = {s: JOB_STATUSES.count(s) for s in ("ok", "failed", "skipped")}
-        print(f"attnzoo: {n['ok']} ok, {n['failed']} failed" + (f", {n['skipped']} skipped (finished earlier)"
-                                                                 if n["skipped"] else ""), flush=True)
-        if n["failed"]:
-            sys.exit(1)
 
 
 if __name__ == "__main__":
