@@ -143,3 +143,22 @@ def test_ddp_presets():
     assert parts["run"].trainer.strategy == "ddp" and processes_to_launch(parts["run"].trainer) == 2
     gpu = validate(compose_cfg(["trainer=ddp"], "/tmp/unused"))["run"].trainer
     assert gpu.accelerator == "gpu" and gpu.devices == -1 and gpu.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("mixer", ["mqa", "mha", "deltanet", "mla"])
+def test_a_field_the_mixer_ignores_is_not_refused(mixer):
+    """model.n_kv_heads=3 with 4 query heads only matters to gqa / sliding-window layers."""
+    from attnzoo.config import resolve_model
+
+    resolve_model({"d_model": 32, "n_heads": 4, "n_kv_heads": 3, "mixer": {"name": mixer}})
+    with pytest.raises(ConfigError, match=r"^model.n_kv_heads: n_heads=4 is not divisible by n_kv_heads=3"):
+        resolve_model({"d_model": 32, "n_heads": 4, "n_kv_heads": 3, "mixer": {"name": "gqa"}})
+
+
+@pytest.mark.parametrize("mixer,kv", [("mha", 4), ("mqa", 1), ("gqa", 2)])
+def test_summary_names_the_kv_heads_each_layer_really_has(mixer, kv):
+    from attnzoo.model import DecoderLM
+    from attnzoo.train import describe_model, kv_heads_of
+
+    m = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}}, vocab_size=16)
+    assert kv_heads_of(m) == kv and f"heads=4/{kv}kv" in describe_model(m)

@@ -107,3 +107,35 @@ def test_flops_and_generate(name):
     assert out.shape == (2, 8)
     again = m.generate(out[:, :3], 5, temperature=0, use_cache=False)
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("name", MIXER_NAMES)
+def test_flops_formula_within_2x_of_counted_matmuls(name):
+    """The analytic forward FLOPs of one mixer layer against torch's FlopCounterMode over its training
+    forward (matmuls and SDPA; it counts full T x T attention where the formula counts the causal half,
+    and misses elementwise work): an off-by-10x formula cannot pass, a convention difference can."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = build(name)
+    mixer, (B, T) = m.mixers[0], (2, 64)
+    x = torch.randn(B, T, m.cfg.d_model, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        mixer(x, positions=torch.arange(T))
+    counted, analytic = fc.get_total_flops(), mixer.flops_per_token(T) * B * T
+    assert counted > 0 and 0.5 < analytic / counted < 2.0, (analytic, counted)
+
+
+@pytest.mark.parametrize("name", MIXER_NAMES)
+def test_reference_switch_runs_another_computation(name):
+    """impl="reference" must select a different code path: in fp32 two different summation orders are
+    not bit-identical, so equal outputs would mean the switch was ignored (the equivalence test above
+    would then compare a path with itself)."""
+    m = build(name)
+    x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        fast = m(x)
+        for mixer in m.mixers:
+            mixer.impl = "reference"
+        ref = m(x)
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(fast, ref)

@@ -203,3 +203,15 @@ def test_budget_without_ffn_sets_head_dim_and_rejects_unreachable():
     assert cfg["head_dim"] % 2 == 0 and abs(count_params(cfg, 256) - 40_000) <= 800
     with pytest.raises(ConfigError, match="model_budget.params"):
         match_budget(tiny(), 256, 10)  # below what the rest of the model already holds
+
+
+def test_report_with_a_broken_summary_names_the_job_and_builds_the_rest(tmp_path, capsys):
+    d = tmp_path / "sw"
+    for j, text in (("0", json.dumps({"status": "ok", "metrics": {"val/loss": 1.5}})), ("1", '{"status": "ok", "metr')):
+        (d / j / ".hydra").mkdir(parents=True)
+        (d / j / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={j}e-3\n")
+        (d / j / "summary.json").write_text(text)
+    rep = build_report(d)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attnzoo-report: 1: summary.json unreadable")
+    assert [j["status"] for j in rep["jobs"]] == ["ok", "failed"] and (d / "report.html").is_file()

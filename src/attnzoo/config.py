@@ -264,12 +264,8 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     check(cfg.norm.eps > 0, "model.norm.eps", f"must be positive, got {cfg.norm.eps}")
     check(cfg.max_seq_len > 0, "model.max_seq_len", f"must be positive, got {cfg.max_seq_len}")
     check(cfg.n_kv_heads > 0, "model.n_kv_heads", f"must be positive, got {cfg.n_kv_heads}")
-    divisors = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
-    check(
-        cfg.n_heads % cfg.n_kv_heads == 0,
-        "model.n_kv_heads",
-        f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}; allowed: {', '.join(map(str, divisors))}",
-    )
+    # n_heads % n_kv_heads is checked by the parts that use model.n_kv_heads (gqa / sliding-window layers,
+    # the encoder-decoder's gqa attention), so mha / mqa / recurrent models are not refused for a field they ignore
     check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
     check_choice(cfg.init, "model.init", ("gpt2", "pytorch"))
     check_choice(cfg.position.name, "model.position.name", ("rope", "sinusoidal", "learned", "none"))

@@ -64,6 +64,9 @@ class EncDecOptions:
         check_choice(self.cross_attention, f"{field}.cross_attention", ("mha", "gqa", "mqa"))
         kv = self.cross_kv(cfg)
         divisors = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
+        if self.encoder_attention == "gqa":
+            check(cfg.n_kv_heads > 0 and cfg.n_heads % cfg.n_kv_heads == 0, "model.n_kv_heads",
+                  f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}; allowed: {', '.join(map(str, divisors))}")
         check(kv > 0 and cfg.n_heads % kv == 0, f"{field}.cross_kv_heads",
               f"n_heads={cfg.n_heads} is not divisible by {kv}; allowed: {', '.join(map(str, divisors))}")
         check_choice(self.sinusoidal_layout, f"{field}.sinusoidal_layout", ("interleaved", "concat"))

@@ -24,6 +24,7 @@ import csv
 import html
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,16 @@ def _read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
 def load_job(d: Path, root: Path) -> dict:
     ov_path = d / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in (yaml.safe_load(ov_path.read_text()) or [])] if ov_path.is_file() else []
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+    summary, broken = {}, ""
+    if (d / "summary.json").is_file():
+        try:
+            summary = json.loads((d / "summary.json").read_text())
+            if not isinstance(summary, dict):
+                raise ValueError(f"expected a JSON object, got {type(summary).__name__}")
+        except ValueError as e:  # a truncated or hand-edited file: report the job, build the rest
+            broken = f"summary.json unreadable ({str(e).splitlines()[0][:120]})"
+            print(f"attnzoo-report: {d.relative_to(root)}: {broken}", file=sys.stderr)
+            summary = {"status": "failed", "error": broken}
     cfg = summary.get("config")
     if cfg is None and (d / ".hydra" / "config.yaml").is_file():
         cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())

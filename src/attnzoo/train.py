@@ -128,12 +128,18 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def kv_heads_of(model) -> int | None:
+    """KV heads of the first layer that has any (mha: n_heads, mqa: 1, gqa: its groups), as built."""
+    return next((m.n_kv_heads for m in getattr(model, "mixers", []) if hasattr(m, "n_kv_heads")), None)
+
+
 def describe_model(model) -> str:
     cfg = model.cfg
     kinds = [m.name for m in model.layer_mixers]
     mix = kinds[0] if len(set(kinds)) == 1 else "[" + ",".join(kinds) + "]"
+    kv = kv_heads_of(model)
     return (
-        f"{mix} x{cfg.n_layers} d_model={cfg.d_model} heads={cfg.n_heads}/{cfg.n_kv_heads}kv ffn={cfg.ffn.name} "
+        f"{mix} x{cfg.n_layers} d_model={cfg.d_model} heads={cfg.n_heads}" + (f"/{kv}kv" if kv else "") + f" ffn={cfg.ffn.name} "
         f"pos={cfg.position.name} norm={cfg.norm.name}({cfg.norm_position}) vocab={cfg.vocab_size}"
     )
 
@@ -277,7 +283,7 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
         "peak_source": throughput.peak_source,
         "model": {"describe": describe_model(model), "mixers": [m.name for m in model.layer_mixers],
                   "d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
-                  "n_kv_heads": model.cfg.n_kv_heads, "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size},
+                  "n_kv_heads": kv_heads_of(model), "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size},
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
         "seed": run.seed,

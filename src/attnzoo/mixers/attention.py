@@ -54,7 +54,8 @@ class AttentionConfig:
             allowed = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]
             raise ConfigError(
                 f"n_heads={model.n_heads} is not divisible by n_kv_heads={kv}; allowed: {', '.join(map(str, allowed))}",
-                field=f"{field}.n_kv_heads",
+                # name the field the value came from: the mixer's own, or the model-wide default
+                field=f"{field}.n_kv_heads" if self.n_kv_heads else "model.n_kv_heads",
             )
         validate_conv(self, field)
 
