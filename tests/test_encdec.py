@@ -382,15 +382,6 @@ def test_tiny_transformer_learns_reversal():
 # ----------------------------------------------------------------------------- from the CLI config
 
 
-def _train_dispatches_encoders() -> bool:
-    import inspect
-
-    import attnzoo.train as tr
-
-    return "build_lit" in inspect.getsource(tr.train)
-
-
-@pytest.mark.skipif(not _train_dispatches_encoders(), reason="train() does not call lit_seq2seq.build_lit yet")
 @pytest.mark.parametrize("overrides", [["model=encdec", "data=reversal"], ["model=encdec", "data=addition"],
                                        ["model=encoder", "data=text", "data.max_chars=300000", "data.vocab_size=512"]],
                          ids=["encdec-reversal", "encdec-addition", "encoder-text"])
