@@ -215,3 +215,26 @@ def test_report_with_a_broken_summary_names_the_job_and_builds_the_rest(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("attnzoo-report: 1: summary.json unreadable")
     assert [j["status"] for j in rep["jobs"]] == ["ok", "failed"] and (d / "report.html").is_file()
+
+
+def test_wandb_with_a_key_but_no_server_falls_back_to_offline_quickly(tmp_path, monkeypatch, capfd):
+    """A key but no reachable server (a closed local port): the run logs offline after at most
+    logger.wandb.init_timeout seconds and says where, instead of wandb's minutes of retries."""
+    import socket
+    import time
+
+    from attnzoo.wandb_logger import make_wandb_logger
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    t0 = time.time()
+    lg = make_wandb_logger({"init_timeout": 5}, tmp_path, {"model": {"mixer": {"name": "gqa"}}})
+    took = time.time() - t0
+    out = capfd.readouterr().out
+    assert lg is not None and "logging offline instead" in out and "wandb offline run in" in out, out
+    assert took < 40, took
+    lg.experiment.finish()

@@ -55,6 +55,13 @@ def make_wandb_logger(opts: dict, out: Path, container: dict):
     try:
         return _build(opts, out, group, name, tags, offline)
     except Exception as e:  # noqa: BLE001
+        if not offline:  # credentials but no reachable server (within init_timeout): keep the run, offline
+            print(f"attnzoo: wandb online init failed ({type(e).__name__}); logging offline instead", flush=True)
+            try:
+                os.environ["WANDB_MODE"] = "offline"
+                return _build(opts, out, group, name, tags, True)
+            except Exception as e2:  # noqa: BLE001
+                e = e2
         log.warning("wandb disabled for this run: %s: %s", type(e).__name__, e)
         return None
 
@@ -72,6 +79,9 @@ def _build(opts, out, group, name, tags, offline):
         dir=str(out),
         mode="offline" if offline else "online",
         reinit="finish_previous",
-        settings=wandb.Settings(silent=True, console="off"),
+        # an unreachable server costs at most init_timeout seconds (wandb's default is 90, retried)
+        settings=wandb.Settings(silent=True, console="off", init_timeout=float(opts.get("init_timeout") or 30)),
     )
+    if offline:  # say once where the run went: nothing else on the console mentions it
+        print(f"attnzoo: wandb offline run in {run.dir} (upload later: wandb sync {Path(run.dir).parent})", flush=True)
     return WandbLogger(experiment=run, save_dir=str(out))
