@@ -66,23 +66,16 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
 RESUMABLE_CHANGES = ("data.num_workers",)
 
 
-def _flat(d: Any, prefix: str = "") -> dict:
-    if isinstance(d, dict):
-        out = {}
-        for k, v in d.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path) -> None:
     """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
     config other than the one it was trained with (weights of another shape fail to load; a silent
     change, e.g. of the positional encoding, would load and mean something else)."""
+    from .train import flatten
+
     if not saved_cfg:
         return
-    old = {k: v for k, v in _flat({s: saved_cfg.get(s) for s in ("model", "data")}).items()}
-    new = {k: v for k, v in _flat({s: cfg.get(s) for s in ("model", "data")}).items()}
+    old = flatten({s: saved_cfg.get(s) for s in ("model", "data")})
+    new = flatten({s: cfg.get(s) for s in ("model", "data")})
     diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
     diff.sort(key=lambda k: not k.endswith(".name"))  # a swapped part (mixer, ffn, ...) first, then its fields
     if diff:
