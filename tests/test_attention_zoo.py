@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo.cache import LatentCache, SlidingWindowCache
+from attnzoo.mixers.attention import SlidingWindowCache
+from attnzoo.mixers.mla import LatentCache
 from attnzoo.config import ConfigError, resolve_model
 from attnzoo.mixers.attention import Attention, SlidingWindowAttention, decode_sdpa
 from attnzoo.mixers.base import causal_attended

@@ -48,6 +48,7 @@ def _cases(tmp):
         ("negative warmup", ["scheduler.warmup_steps=-5"], "scheduler.warmup_steps", ">= 0"),
         ("negative lr floor", ["scheduler.min_lr_ratio=-1"], "scheduler.min_lr_ratio", "in [0, 1]"),
         ("misspelt key", ["+model.n_head=4"], "model.n_head", "did you mean model.n_heads?"),
+        ("encdec on text", ["model=encdec"], "data", "cannot train on data=text; allowed: reversal, sorting, addition"),
         ("output dir under a file", [f"paths.output_dir={tmp}/empty.txt/run"], "paths.output_dir", "not writable"),
     ]
     if not torch.cuda.is_available():
@@ -94,7 +95,7 @@ def test_valid_group_options_pass():
 
 def test_several_loggers_at_once(tmp_path):
     """`logger=[tensorboard,wandb]` (Hydra's list syntax) composes both loggers into one run."""
-    from attnzoo.config import validate
+    from attnzoo.validation import validate
 
     parts = validate(compose_cfg(FAST + ["logger=[tensorboard,wandb]"], tmp_path / "run"))
     assert {"csv", "tensorboard", "wandb"} <= set(parts["logger"])

@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from attnzoo.config import ConfigError, resolve_model, validate
+from attnzoo.config import ConfigError, resolve_model
+from attnzoo.validation import validate
 from attnzoo.model import DecoderLM
 from attnzoo.paths import CONF_DIR
 from tests.conftest import compose_cfg, tiny_model_cfg

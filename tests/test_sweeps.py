@@ -11,7 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
 from attnzoo.budget import count_params, match_budget
-from attnzoo.config import ConfigError, validate
+from attnzoo.config import ConfigError
+from attnzoo.validation import validate
 from attnzoo.paths import CONF_DIR, sweeps_dir
 from attnzoo.report import build_report
 from attnzoo.sweep import available

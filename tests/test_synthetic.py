@@ -73,7 +73,7 @@ def test_mqar_fillers_random_or_zero():
 def test_mqar_pairs_clip_to_seq_len_under_smoke(tmp_path):
     cfg = compose_cfg(["experiment=mqar", "debug=smoke", "data.num_kv_pairs=16"], tmp_path)
     assert cfg.data.seq_len == 32
-    from attnzoo.config import validate
+    from attnzoo.validation import validate
 
     dm = build_datamodule(validate(cfg)["data"], cache_dir=str(tmp_path), seed=0)
     dm.setup()

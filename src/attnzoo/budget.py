@@ -22,21 +22,23 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def count_params(model_cfg: dict, vocab_size: int, count: str = "non_embedding") -> int:
-    """Parameters of DecoderLM(model_cfg) (built on the meta device: no memory, no init cost)."""
-    from .model import DecoderLM
+    """Parameters of the model its family builds from model_cfg (decoder LM, encoder-decoder, encoder), on
+    the meta device: no memory, no init cost."""
+    from .families import embedding_params, family_of
 
+    build = family_of(model_cfg).build_model
     try:
         with torch.device("meta"):
-            model = DecoderLM(copy.deepcopy(model_cfg), vocab_size=vocab_size)
+            model = build(copy.deepcopy(model_cfg), vocab_size)
     except (NotImplementedError, RuntimeError):  # a module whose init needs real values
-        model = DecoderLM(copy.deepcopy(model_cfg), vocab_size=vocab_size)
+        model = build(copy.deepcopy(model_cfg), vocab_size)
     total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors are yielded once
     if count == "non_embedding":
-        total -= model.embed.weight.numel() + sum(p.numel() for p in model.position.parameters())
+        total -= embedding_params(model)
     elif count != "total":
         raise ConfigError(f"got {count!r}; allowed: non_embedding, total", field="model_budget.count")
     return total

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -39,6 +39,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
         # our checkpoints hold tensors, numbers, strings and dicts only: safe to load weights_only
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def flatten(d: Any, prefix: str = "") -> dict:
+    """{'model': {'d_model': 8}} -> {'model.d_model': 8}; lists become strings (dashboard filters)."""
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, (list, tuple)):
+        out[prefix[:-1]] = str(list(d))
+    else:
+        out[prefix[:-1]] = d
+    return out
 
 
 def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
@@ -70,8 +83,6 @@ def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path)
     """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
     config other than the one it was trained with (weights of another shape fail to load; a silent
     change, e.g. of the positional encoding, would load and mean something else)."""
-    from .train import flatten
-
     if not saved_cfg:
         return
     old = flatten({s: saved_cfg.get(s) for s in ("model", "data")})

@@ -27,15 +27,25 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from .cache import CrossAttentionCache, LayerCache, ModelCache
+from .cache import LayerCache, ModelCache
 from .config import ConfigError, ModelConfig, check, check_choice, layer_mixer_configs, resolve_model
 from .ffn import build_ffn
 from .mixers.attention import Attention, AttentionConfig
 from .mixers.base import dtype_bytes
+from .model import residual
 from .norm import build_norm
 from .ops.attention import attention_reference
 from .position import AbsolutePosition, sinusoidal_table
 from .registry import MIXERS
+
+
+class CrossAttentionCache(LayerCache):
+    """Encoder-decoder cross-attention (attnzoo.encdec): the keys/values of the encoder memory, projected
+    once per source and reused by every decoding step. k, v of shape (B, n_kv_heads, S, head_dim).
+    Bytes do not grow with the generated length."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
 
 
 @dataclass
@@ -151,7 +161,7 @@ class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: EncDecOptions):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, opts.cross_kv(cfg)
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.head_dim = cfg.head_dim  # resolved by config.resolve_model
         self.dropout = cfg.dropout
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=opts.attn_bias)
         self.kv_proj = nn.Linear(cfg.d_model, 2 * self.n_kv_heads * self.head_dim, bias=opts.attn_bias)  # fused [k | v]
@@ -199,9 +209,7 @@ class _Residual(nn.Module):
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, h: torch.Tensor, f) -> torch.Tensor:
-        if self.pre:
-            return h + self.drop(f(self.norm(h)))
-        return self.norm(h + self.drop(f(h)))
+        return residual(h, f, self.norm, self.drop, self.pre)
 
 
 class EncoderLayer(nn.Module):

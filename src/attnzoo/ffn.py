@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError, check_choice
+from .errors import ConfigError, check_choice
 from .registry import register_ffn
 
 

@@ -4,7 +4,7 @@ Lightning's default DDP launcher re-runs `sys.argv` for ranks > 0. Under `-m` th
 whole sweep and pairs with the parent job by job; one failing job or a change of world size desyncs
 everything after it (pytorch-lightning #11300, #18175). Instead, a job that asks for DDP on one node
 writes its fully resolved config into its own output dir and starts `world_size` fresh worker
-processes on it (`python -m attnzoo.launch <job.yaml>`), with the torch.distributed environment set
+processes on it (`python -m attnzoo.worker <job.yaml>`), with the torch.distributed environment set
 (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK). Lightning sees LOCAL_RANK and does not launch
 anything itself. The job waits for its workers, so jobs stay isolated: the next job starts with fresh
 processes, and a failing worker fails only its own job.
@@ -74,7 +74,7 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
             log = launch_dir / f"rank{rank}.log"
             stdout = open(log, "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "attnzoo.launch", str(job)], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "attnzoo.worker", str(job)], env=env,
                                       stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
     start = time.time()
     failed = None
@@ -99,13 +99,3 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
         where = logs[rank] if rank >= 0 and logs[rank] else "the output above"
         raise RuntimeError(f"DDP worker rank {rank} exited with code {code}; see {where}")
 
-
-def main() -> None:
-    from .train import train
-
-    cfg = OmegaConf.load(sys.argv[1])
-    train(cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -155,15 +155,16 @@ class LitLM(TrainingModule):
     """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
 
     `cfg` is the whole resolved run config (a plain dict, saved as hyper-parameters so a checkpoint
-    rebuilds its model); `vocab_size` comes from the data module.
+    rebuilds its model); `vocab_size` comes from the data module; `model_cfg`, the typed model config
+    `train()` resolved once (None: resolved here from cfg["model"], e.g. by load_from_checkpoint).
     """
 
-    def __init__(self, cfg: dict, vocab_size: int):
+    def __init__(self, cfg: dict, vocab_size: int, model_cfg: Any = None):
         super().__init__()
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
-        self.model = DecoderLM(resolve_model(cfg["model"]), vocab_size=vocab_size)
+        self.model = DecoderLM(model_cfg if model_cfg is not None else resolve_model(cfg["model"]), vocab_size=vocab_size)
         self._setup_training(cfg)
         self._val = None
         self._val_has_mask = False

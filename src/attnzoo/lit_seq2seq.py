@@ -1,7 +1,6 @@
 """LightningModules for the encoder-decoder (`LitSeq2Seq`) and the encoder-only masked LM (`LitMLM`).
 
-`build_lit(container, dm)` picks one from `model.name` (encdec | encoder); `train()` calls it in place of
-LitLM, so everything about these models stays in this file.
+`attnzoo.families` builds them for `model.name` encdec | encoder; `train()` does not know the difference.
 
 LitSeq2Seq: teacher forcing with label-smoothed cross-entropy (Szegedy et al. 2016; the paper's eps_ls = 0.1,
 `model.encdec.label_smoothing`) over the real target tokens (EOS included, padding never); validation logs
@@ -23,20 +22,6 @@ from .encdec import EncoderDecoder, EncoderMLM, mask_tokens
 from .lit import TrainingModule
 
 log = logging.getLogger("attnzoo")
-
-ENCODER_MODELS = ("encdec", "encoder")
-
-
-def build_lit(container: dict, dm) -> L.LightningModule:
-    """The LightningModule for `model.name` encdec (LitSeq2Seq) or encoder (LitMLM), sized from the datamodule."""
-    name = container["model"].get("name")
-    if name == "encdec":
-        return LitSeq2Seq(container, vocab_size=dm.vocab_size, pad_id=getattr(dm, "pad_id", 0),
-                          bos_id=getattr(dm, "bos_id", 1), eos_id=getattr(dm, "eos_id", 2))
-    if name == "encoder":
-        return LitMLM(container, vocab_size=dm.vocab_size)
-    raise ValueError(f"model.name: got {name!r}; allowed: {', '.join(ENCODER_MODELS)}")
-
 
 class _Base(TrainingModule):
     """The shared training pieces (lit.TrainingModule), with the paper's Noam schedule by default."""
@@ -63,12 +48,12 @@ def exact_match(pred: torch.Tensor, tgt_out: torch.Tensor, tgt_mask: torch.Tenso
 class LitSeq2Seq(_Base):
     """Batches (src, tgt_in, tgt_out, src_mask, tgt_mask) from data/seq2seq.py."""
 
-    def __init__(self, cfg: dict, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
+    def __init__(self, cfg: dict, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, model_cfg=None):
         super().__init__()
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id})
-        self.model = EncoderDecoder(cfg["model"], vocab_size=vocab_size)
+        self.model = EncoderDecoder(cfg["model"] if model_cfg is None else model_cfg, vocab_size=vocab_size)
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self._setup(cfg)
         self._val = None
@@ -115,13 +100,13 @@ class LitMLM(_Base):
     The model's vocabulary is the tokenizer's plus one `[MASK]` id (= the tokenizer's vocab_size), so any
     text tokenizer works without a reserved mask token; random replacements come from the real tokens."""
 
-    def __init__(self, cfg: dict, vocab_size: int):
+    def __init__(self, cfg: dict, vocab_size: int, model_cfg=None):
         super().__init__()
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
         self.text_vocab, self.mask_id = vocab_size, vocab_size
-        self.model = EncoderMLM(cfg["model"], vocab_size=vocab_size + 1)
+        self.model = EncoderMLM(cfg["model"] if model_cfg is None else model_cfg, vocab_size=vocab_size + 1)
         self._setup(cfg)
         self._val = None
 

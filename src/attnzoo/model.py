@@ -17,6 +17,12 @@ from .position import AbsolutePosition
 from .registry import MIXERS
 
 
+def residual(h: torch.Tensor, f, norm: nn.Module, drop: nn.Module, pre: bool) -> torch.Tensor:
+    """One residual sublayer, shared by every family: pre-norm h + f(norm(h)) or post-norm (Vaswani et al.)
+    norm(h + f(h)), dropout on f's output."""
+    return h + drop(f(norm(h))) if pre else norm(h + drop(f(h)))
+
+
 class Block(nn.Module):
     """Residual block. pre-norm: h + mixer(norm(h)), then + ffn(norm(h)); post-norm (Vaswani et al.):
     norm(h + mixer(h)), then norm(h + ffn(h))."""
@@ -38,14 +44,9 @@ class Block(nn.Module):
         return self.ffn(x, token_mask=token_mask) if self.ffn_takes_mask else self.ffn(x)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, token_mask=None) -> torch.Tensor:
-        if self.pre:
-            h = h + self.drop(self.mixer(self.norm1(h), positions=positions, cache=cache))
-            if self.has_ffn:
-                h = h + self.drop(self._ffn(self.norm2(h), token_mask))
-        else:
-            h = self.norm1(h + self.drop(self.mixer(h, positions=positions, cache=cache)))
-            if self.has_ffn:
-                h = self.norm2(h + self.drop(self._ffn(h, token_mask)))
+        h = residual(h, lambda x: self.mixer(x, positions=positions, cache=cache), self.norm1, self.drop, self.pre)
+        if self.has_ffn:
+            h = residual(h, lambda x: self._ffn(x, token_mask), self.norm2, self.drop, self.pre)
         return h
 
 

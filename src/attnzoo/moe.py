@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import check, check_choice
+from .errors import check, check_choice
 from .ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig, hidden_size
 from .registry import register_ffn
 

@@ -18,23 +18,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, check_devices_present, validate
+from .checkpoint import flatten  # noqa: F401  (attnzoo.train.flatten, as before)
+from .errors import ConfigError
+from .validation import check_devices_present, validate
 from .paths import CONF_DIR
 
 log = logging.getLogger("attnzoo")
-
-def flatten(d: Any, prefix: str = "") -> dict:
-    """{'model': {'d_model': 8}} -> {'model.d_model': 8}; lists become strings (dashboard filters)."""
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    elif isinstance(d, (list, tuple)):
-        out[prefix[:-1]] = str(list(d))
-    else:
-        out[prefix[:-1]] = d
-    return out
-
 
 def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int | None = None) -> list:
     """The configured loggers; `resume_step` (a resumed run's checkpoint step) continues csv/metrics.csv."""
@@ -157,53 +146,75 @@ def train(cfg: DictConfig) -> dict:
 
 
 def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
+    """The steps of one run, in order; each is a function below."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from .callbacks import PreemptionCheckpoint, ThroughputMonitor
-    from .checkpoint import AtomicCheckpointIO
-    from .data import build_datamodule
-    from .data.sampling import DataPositionCallback
-    from .flops import precision_dtype
     from .launch import launch_workers, processes_to_launch
-    from .lit import LitLM
-    from .model import DecoderLM
 
-    run, data_cfg = parts["run"], parts["data"]
+    run = parts["run"]
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     ckpt_path, ckpt = resolve_ckpt(run.ckpt_path, out)
-
     L.seed_everything(run.seed, workers=True, verbose=False)
-    dm = build_datamodule(data_cfg, cache_dir=run.paths.cache_dir, seed=run.seed)
-    dm.setup("fit")  # tokenizer trained and cached once, before any worker starts
-    from .budget import apply_budget
-
-    budget = apply_budget(container, dm.vocab_size)  # matched parameter budget: adjusts a width in place
+    dm, budget = prepare_data(parts, container)
     if ckpt is not None:  # before anything is built or written: a refused resume leaves the run dir as it was
         from .checkpoint import check_resume_compatible
 
         check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
-
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
         launch_workers(container, out, n_workers)
         return json.loads((out / "summary.json").read_text())["metrics"]
-
-    if parts["model"].name in ("encdec", "encoder"):  # the original Transformer's families (issue 9)
-        from .lit_seq2seq import build_lit
-
-        lit = build_lit(container, dm)
-    else:
-        lit = LitLM(container, vocab_size=dm.vocab_size)
-    if run.compile:
-        lit.compile_model()
-    model = lit.model
-
+    family, lit = build_module(container, dm, run)
     out.mkdir(parents=True, exist_ok=True)
     loggers = build_loggers(parts["logger"], out, container, None if ckpt is None else int(ckpt["global_step"]))
+    trainer, throughput = build_trainer(parts, out, loggers)
+    for lg in loggers:
+        lg.log_hyperparams(flatten(container))
+    preempted = fit(trainer, lit, dm, ckpt_path, out)
+    if preempted is not None:
+        return preempted
+    metrics = final_metrics(trainer, lit, dm, parts, budget, throughput, family)
+    summary = run_summary(trainer, lit, dm, parts, metrics, throughput, family, container, out, t_start)
+    finish(trainer, out, summary, loggers)
+    return metrics
+
+
+def prepare_data(parts: dict, container: dict):
+    """The data module (tokenizer trained and cached once, before any worker starts) and the matched
+    parameter budget, which may set a width in container["model"] (in place)."""
+    from .budget import apply_budget
+    from .data import build_datamodule
+
+    run = parts["run"]
+    dm = build_datamodule(parts["data"], cache_dir=run.paths.cache_dir, seed=run.seed)
+    dm.setup("fit")
+    return dm, apply_budget(container, dm.vocab_size)
+
+
+def build_module(container: dict, dm, run):
+    """(family, LightningModule). The model config is resolved once, after its last change (the budget's
+    width), and every part of the run reads that one object."""
+    from .config import resolve_model
+    from .families import family_of
+
+    family = family_of(container["model"])
+    lit = family.build_lit(container, resolve_model(container["model"], vocab_size=dm.vocab_size), dm)
+    if run.compile:
+        lit.compile_model()
+    return family, lit
+
+
+def build_trainer(parts: dict, out: Path, loggers: list):
+    """The Lightning Trainer with the run's callbacks; returns (trainer, throughput monitor)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from .callbacks import PreemptionCheckpoint, ThroughputMonitor
+    from .checkpoint import AtomicCheckpointIO
+    from .data.sampling import DataPositionCallback
+
+    run, data_cfg = parts["run"], parts["data"]
     cb_cfg = dict(parts["callbacks"] or {})
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
     throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
@@ -236,8 +247,12 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
     trainer_kwargs = OmegaConf.to_container(OmegaConf.structured(run.trainer))
     trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out),
                         plugins=[AtomicCheckpointIO()], use_distributed_sampler=False)  # our sampler shards
-    for lg in loggers:
-        lg.log_hyperparams(flatten(container))
+    return trainer, throughput
+
+
+def fit(trainer, lit, dm, ckpt_path, out: Path) -> dict | None:
+    """trainer.fit; None when training finished, {"status": "preempted", ...} after a SIGTERM."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
         trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
@@ -249,11 +264,18 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
             print(f"attnzoo: SIGTERM at step {trainer.global_step}; saved {out / 'checkpoints' / 'last.ckpt'}; "
                   f"resume with: attnzoo-train --resume {out}", flush=True)
         return {"status": "preempted", "global_step": trainer.global_step}
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
-    # validation of the final weights (the last scheduled validation may be steps earlier)
-    final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
+    return None
 
-    # ---------------------------------------------------------------- end-of-run accounting
+
+def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, family) -> dict:
+    """Metrics at the end of a run: the last logged values, a validation of the final weights (the last
+    scheduled one may be steps earlier), throughput, budget, parameters, cache bytes and inference timing."""
+    from .flops import precision_dtype
+
+    run, data_cfg = parts["run"], parts["data"]
+    model = lit.model
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+    final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
     infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
     metrics.update({k: float(v) for k, v in final.items()})
     metrics.update(throughput.last)
@@ -261,18 +283,24 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
-    decoder_only = isinstance(model, DecoderLM)
-    if run.perf.measure_decode and trainer.is_global_zero and decoder_only:
+    if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:
         metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
+    return metrics
+
+
+def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container, out: Path, t_start: float) -> dict:
+    """summary.json's content: status, metrics, what the model really is (per layer), data, a text sample."""
+    run, data_cfg = parts["run"], parts["data"]
+    model = lit.model
     sample = None
-    if decoder_only and run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt and trainer.is_global_zero:
+    if (family.decoder_only and run.sample.max_new_tokens > 0 and hasattr(dm, "encode") and run.sample.prompt
+            and trainer.is_global_zero):
         ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
         g = torch.Generator(device=lit.device).manual_seed(run.seed)
         outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,
                               top_k=run.sample.top_k, top_p=run.sample.top_p, generator=g)
         sample = dm.decode(outp[0].tolist())
-
-    summary = {
+    return {
         "status": "ok",
         "metrics": metrics,
         "output_dir": str(out),
@@ -283,7 +311,9 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
         "peak_source": throughput.peak_source,
         "model": {"describe": describe_model(model), "mixers": [m.name for m in model.layer_mixers],
                   "d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
-                  "n_kv_heads": kv_heads_of(model), "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size},
+                  "n_kv_heads": kv_heads_of(model), "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size,
+                  "family": family.name, "layers": [m.layer_shape() for m in getattr(model, "mixers", [])
+                                                    if hasattr(m, "layer_shape")]},
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
         "seed": run.seed,
@@ -291,16 +321,21 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
         "sample": sample,
         "config": container,
     }
-    if trainer.is_global_zero:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        for lg in loggers:
-            lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
-                           step=trainer.global_step)
-            lg.finalize("success")
-            if type(lg).__name__ == "WandbLogger":  # close this job's run so the next job gets its own
-                lg.experiment.finish()
-        print(format_summary(summary), flush=True)
-    return metrics
+
+
+def finish(trainer, out: Path, summary: dict, loggers: list) -> None:
+    """Rank 0 writes summary.json, logs the end-of-run metrics, closes the loggers and prints the summary."""
+    if not trainer.is_global_zero:
+        return
+    metrics = summary["metrics"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    for lg in loggers:
+        lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
+                       step=trainer.global_step)
+        lg.finalize("success")
+        if type(lg).__name__ == "WandbLogger":  # close this job's run so the next job gets its own
+            lg.experiment.finish()
+    print(format_summary(summary), flush=True)
 
 
 def _previous_status(out: Path) -> str | None:
@@ -395,7 +430,7 @@ def resume_argv(argv: list[str]) -> list[str]:
         raise ConfigError(f"{run_dir} has no checkpoints/last.ckpt to resume from", field="--resume")
     own = [o for o in (OmegaConf.load(saved) or []) if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
     if any(str(o).startswith("+sweeps=") for o in own):  # a sweep job: its sweep file must be found again
-        from .sweep import sweeps_dir
+        from .paths import sweeps_dir
 
         own.insert(0, f"hydra.searchpath=[file://{sweeps_dir().parent}]")
     rest = argv[:i] + argv[i + 2:]

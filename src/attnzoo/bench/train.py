@@ -121,7 +121,8 @@ def bare_run(overrides: list[str], steps: int) -> dict:
 
     from omegaconf import OmegaConf
 
-    from ..config import OptimConfig, SchedulerConfig, validate
+    from ..config import OptimConfig, SchedulerConfig
+    from ..validation import validate
     from ..data import build_datamodule
     from ..lit import LitLM, lr_lambda, param_groups
 

@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tex", ".html", ".c", ".h")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import check
+from ..errors import check
 from . import register_data
 from .synthetic import SyntheticConfig, SyntheticDataModule
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import check
+from ..errors import check
 from . import register_data
 from .synthetic import SyntheticConfig, SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
 

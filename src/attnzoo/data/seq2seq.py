@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..config import check
+from ..errors import check
 from . import register_data
 from .sampling import ResumableDataMixin
 from .synthetic import make_splits

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..config import ConfigError, check
+from ..errors import ConfigError, check
 from .sampling import ResumableDataMixin
 
 log = logging.getLogger("attnzoo")

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import ConfigError, check, check_choice
+from ..errors import ConfigError, check, check_choice
 from . import register_data
 from .corpus import load_corpus, text_sha
 from .sampling import ResumableDataMixin

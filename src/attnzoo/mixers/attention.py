@@ -21,13 +21,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache, SlidingWindowCache
-from ..config import ConfigError
+from ..cache import LayerCache
+from ..errors import ConfigError
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
 from ..ops.sliding_window import sliding_window_sdpa
 from ..position import RotaryEmbedding
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
+
+
+class KVCache(LayerCache):
+    """Keys and values of every past token: k, v of shape (B, n_kv_heads, T, head_dim).
+
+    Grows by concatenation, so it holds exactly the tokens seen (no preallocated slack to hide memory).
+    """
+
+    def __init__(self) -> None:
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new (B, Hkv, t, D) keys/values; return all keys/values so far."""
+        if self.k is None:
+            # own copies: k/v may be views into the fused qkv activation, which would stay alive
+            # (and uncounted) behind them
+            self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class SlidingWindowCache(LayerCache):
+    """Keys/values of the last `window` tokens only: k, v of shape (B, n_kv_heads, min(seen, W), head_dim).
+
+    A ring buffer: the token at absolute position p lives in slot p % W. It grows by concatenation until it
+    holds W tokens and is then overwritten in place, so decoding far past W keeps memory flat at W tokens.
+    Keys are stored after RoPE, so a slot's position never needs to be known again.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.seen = 0  # tokens processed so far (the next absolute position)
+
+    @property
+    def seq_len(self) -> int:
+        return self.seen
+
+    @property
+    def full(self) -> bool:
+        return self.k is not None and self.k.shape[2] == self.window
+
+    def ordered(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Held keys/values oldest first (a copy once the ring has wrapped)."""
+        if not self.full or self.seen % self.window == 0:
+            return self.k, self.v
+        shift = -(self.seen % self.window)  # the oldest held token sits in slot seen % W
+        return self.k.roll(shift, dims=2), self.v.roll(shift, dims=2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new (B, Hkv, t, D) keys/values. Returns the keys/values to attend over:
+
+        - one token into a full ring: the ring itself after the write (slot order, not time order: every
+          held key is inside the new query's window, and softmax does not care about key order);
+        - otherwise: the held tokens oldest first, then the new ones (the caller applies the band mask).
+        """
+        W, T = self.window, k.shape[2]
+        if T == 1 and self.full:
+            slot = self.seen % W
+            self.k[:, :, slot] = k[:, :, 0]
+            self.v[:, :, slot] = v[:, :, 0]
+            self.seen += 1
+            return self.k, self.v
+        old_k, old_v = self.ordered()
+        k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
+        v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
+        self.seen += T
+        # keep the last W tokens in slot order; roll/clone copy, so the ring never pins a larger tensor
+        # (e.g. the fused qkv projection the new keys are views of)
+        shift = self.seen % W if k_all.shape[2] >= W else 0
+        self.k = k_all[:, :, -W:].roll(shift, dims=2)
+        self.v = v_all[:, :, -W:].roll(shift, dims=2)
+        return k_all, v_all
 
 
 @dataclass
@@ -67,7 +148,7 @@ class Attention(Mixer):
         super().__init__(cfg, model_cfg, layer_idx)
         self.n_heads = model_cfg.n_heads
         self.n_kv_heads = cfg.kv_heads(model_cfg)
-        self.head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.n_heads
+        self.head_dim = model_cfg.head_dim  # resolved by config.resolve_model
         self.scale = cfg.softmax_scale
         self.causal = cfg.causal
         self.dropout = model_cfg.dropout

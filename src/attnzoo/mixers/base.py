@@ -59,6 +59,23 @@ class Mixer(nn.Module):
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[Any] = None) -> torch.Tensor:
         raise NotImplementedError
 
+    SHAPE_FIELDS = ("n_heads", "n_kv_heads", "head_dim", "window", "n_qk_heads", "n_v_heads", "qk_dim", "v_dim",
+                    "phi_dim", "state_shape", "kv_lora_rank", "dn", "dr", "dv")
+
+    def layer_shape(self) -> dict:
+        """What this layer really is, as built (the run summary and summary.json print it): its name and
+        whichever of SHAPE_FIELDS it has (heads, KV heads, head sizes, window, state shape, MLA latent),
+        plus the short conv's kernel. A mixer with other defining sizes extends this."""
+        out: dict = {"mixer": getattr(self.cfg, "name", type(self).__name__)}
+        for k in self.SHAPE_FIELDS:
+            v = getattr(self, k, None)
+            if isinstance(v, (int, tuple)) and not isinstance(v, bool) and v is not None:
+                out[k] = list(v) if isinstance(v, tuple) else v
+        conv = self.input_conv if self.input_conv is not None else getattr(self, "conv", None)
+        if conv is not None and hasattr(conv, "kernel_size"):
+            out["conv"] = conv.kernel_size
+        return out
+
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Any:
         raise NotImplementedError
 
@@ -71,7 +88,7 @@ class Mixer(nn.Module):
 
 def validate_conv(cfg: Any, field: str) -> None:
     """A mixer config's `conv_size` (short causal conv, on the input or on q/k/v): >= 0, causal mixers only."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     if cfg.conv_size < 0:
         raise ConfigError(f"must be >= 0 (0 = no conv), got {cfg.conv_size}", field=f"{field}.conv_size")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, check_choice
+from ..errors import ConfigError, check_choice
 from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
 from ..registry import register_mixer
 from .base import validate_conv
@@ -47,7 +47,7 @@ class DeltaNetConfig:
     def sizes(self, model) -> tuple[int, int, int, int]:
         h = self.n_heads or model.n_heads
         hv = self.n_v_heads or h
-        dk = self.head_dim or model.head_dim or model.d_model // model.n_heads
+        dk = self.head_dim or model.head_dim
         return h, hv, dk, self.v_head_dim or dk
 
     def validate(self, model, field: str) -> None:

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, check_choice
+from ..errors import ConfigError, check_choice
 from ..ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from ..registry import register_mixer
 from .base import validate_conv
@@ -76,7 +76,7 @@ class LinearAttention(RecurrentMixer):
     def __init__(self, cfg: LinearAttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         h = cfg.n_heads or model_cfg.n_heads
-        d = model_cfg.head_dim or model_cfg.d_model // model_cfg.n_heads
+        d = model_cfg.head_dim  # resolved by config.resolve_model
         fd, dv = cfg.feature_dim or d, cfg.head_dim or d
         self.chunk_size, self.normalize, self.eps = cfg.chunk_size, cfg.normalize, cfg.norm_eps
         self.phi_dim = feature_dim_out(cfg.feature_map, fd)

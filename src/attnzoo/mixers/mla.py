@@ -27,13 +27,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import LatentCache
-from ..config import ConfigError, check_choice
+from ..cache import LayerCache
+from ..errors import ConfigError, check_choice
 from ..norm import RMSNorm
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
 from ..position import RotaryEmbedding
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
+
+
+class LatentCache(LayerCache):
+    """MLA's cache (DeepSeek-V2): per token only the normed KV latent and the shared RoPE key.
+
+    One tensor `latent` of shape (B, T, kv_lora_rank + qk_rope_head_dim), laid out [c_kv | k_rope], so the
+    absorbed decode attends over it without a per-step concatenation. Never the expanded per-head K/V.
+    """
+
+    def __init__(self, kv_lora_rank: int) -> None:
+        self.kv_lora_rank = kv_lora_rank
+        self.latent: Optional[torch.Tensor] = None
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    @property
+    def c_kv(self) -> torch.Tensor:
+        return self.latent[..., : self.kv_lora_rank]
+
+    @property
+    def k_rope(self) -> torch.Tensor:
+        return self.latent[..., self.kv_lora_rank :]
+
+    def update(self, latent: torch.Tensor) -> torch.Tensor:
+        """Append new (B, t, kv_lora_rank + qk_rope_head_dim) entries; return all of them so far."""
+        self.latent = latent.contiguous() if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        return self.latent
 
 
 @dataclass
@@ -55,7 +84,7 @@ class MLAConfig:
     conv_bias: bool = False
 
     def sizes(self, model) -> dict:
-        hd = model.head_dim or model.d_model // model.n_heads
+        hd = model.head_dim  # resolved by config.resolve_model
 
         def pick(value, default):  # null -> default; 0 stays 0 so validate() rejects it
             return default if value is None else value

@@ -15,9 +15,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import RecurrentStateCache
+from ..cache import LayerCache
 from .base import Mixer, dtype_bytes
 from .short_conv import ShortConvolution
+
+
+class RecurrentStateCache(LayerCache):
+    """Fixed-size state of a recurrent mixer (linear attention, DeltaNet, Gated DeltaNet): constant bytes
+    whatever the context, allocated once by the mixer's `new_cache`.
+
+    state (B, H, Dk, Dv): the matrix memory (for normalised linear attention Dv includes the key-sum column),
+    kept in at least fp32 because it accumulates over the whole context;
+    conv_tail (B, C, K-1) or None: the last K-1 inputs of the short convolution, in the cache dtype.
+    """
+
+    def __init__(self, state: torch.Tensor, conv_tail: Optional[torch.Tensor] = None) -> None:
+        self.state = state
+        self.conv_tail = conv_tail
+        self.seen = 0  # tokens processed so far
+
+    @property
+    def seq_len(self) -> int:
+        return self.seen
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""Model families: one place that knows how to build each kind of model and what it trains on.
+
+A family owns a set of `model.name` values (the decoder LM owns every name the others do not claim) and
+provides, from the resolved run config:
+
+  build_model(model_cfg, vocab_size) -> nn.Module     the bare network (parameter counts, budgets)
+  build_lit(container, model_cfg, dm) -> LightningModule  the training module (one `TrainingModule`
+                                                       subclass: aux losses and post-step hooks for all)
+  accepts(data_cfg) -> bool, data_help                 which data modules it can use (checked by
+                                                       `validate`, before any work)
+  metrics(data_cfg) -> validation metric names         what `callbacks.monitor` may name
+  decoder_only                                          has a decode cache and `generate` (inference timing,
+                                                       text samples at the end of a run)
+
+`train()`, `validate()`, `budget.count_params()` and the summary all go through `family_of(model_cfg)`,
+so a new family (vision, multimodal) is one `register_family(...)` call here, not edits in three files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+SEQ2SEQ_DATA = ("reversal", "sorting", "addition")  # (src, tgt) batches: data/seq2seq.py
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_names: tuple[str, ...]  # model.name values routed here (empty: the default family)
+    build_model: Callable[[Any, int], nn.Module]
+    build_lit: Callable[[dict, Any, Any], Any]
+    accepts: Callable[[Any], bool]
+    data_help: str  # the allowed data modules, for the error message
+    metrics: Callable[[Any], list]
+    decoder_only: bool = False
+
+
+FAMILIES: dict[str, Family] = {}
+DEFAULT_FAMILY = "decoder"
+
+
+def register_family(family: Family) -> Family:
+    if family.name in FAMILIES and FAMILIES[family.name] != family:
+        raise ValueError(f"model family '{family.name}' registered twice")
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_of(model_cfg: Any) -> Family:
+    """The family of a model section (dict, DictConfig or typed ModelConfig) from its `name`."""
+    name = model_cfg.get("name") if hasattr(model_cfg, "get") else getattr(model_cfg, "name", None)
+    for fam in FAMILIES.values():
+        if name in fam.model_names:
+            return fam
+    return FAMILIES[DEFAULT_FAMILY]
+
+
+def check_data(model_cfg: Any, data_cfg: Any) -> None:
+    """A data module the model's family cannot train on: one line naming `data` and what is allowed."""
+    from .errors import ConfigError
+
+    fam = family_of(model_cfg)
+    if not fam.accepts(data_cfg):
+        raise ConfigError(f"model={getattr(model_cfg, 'name', fam.name)} ({fam.name} family) cannot train on "
+                          f"data={data_cfg.name}; allowed: {fam.data_help}", field="data")
+
+
+def embedding_params(model: nn.Module) -> int:
+    """Parameters of every embedding table (token and learned-position), each shared tensor once."""
+    seen = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------- the three families so far
+def _lm_metrics(data_cfg: Any) -> list:
+    return ["val/loss", "val/ppl"] + ([] if getattr(data_cfg, "name", "text") == "text" else ["val/acc"])
+
+
+def _decoder_model(model_cfg, vocab_size):
+    from .model import DecoderLM
+
+    return DecoderLM(model_cfg, vocab_size=vocab_size)
+
+
+def _decoder_lit(container, model_cfg, dm):
+    from .lit import LitLM
+
+    return LitLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
+
+
+def _encdec_model(model_cfg, vocab_size):
+    from .encdec import EncoderDecoder
+
+    return EncoderDecoder(model_cfg, vocab_size=vocab_size)
+
+
+def _encdec_lit(container, model_cfg, dm):
+    from .lit_seq2seq import LitSeq2Seq
+
+    return LitSeq2Seq(container, vocab_size=dm.vocab_size, pad_id=getattr(dm, "pad_id", 0),
+                      bos_id=getattr(dm, "bos_id", 1), eos_id=getattr(dm, "eos_id", 2), model_cfg=model_cfg)
+
+
+def _encoder_model(model_cfg, vocab_size):
+    from .encdec import EncoderMLM
+
+    return EncoderMLM(model_cfg, vocab_size=vocab_size + 1)  # + [MASK], as LitMLM builds it
+
+
+def _encoder_lit(container, model_cfg, dm):
+    from .lit_seq2seq import LitMLM
+
+    return LitMLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
+
+
+register_family(Family(
+    name="decoder", model_names=(), build_model=_decoder_model, build_lit=_decoder_lit,
+    accepts=lambda d: d.name not in SEQ2SEQ_DATA, data_help="text or a synthetic LM task (mqar, copying, ...)",
+    metrics=_lm_metrics, decoder_only=True,
+))
+register_family(Family(
+    name="encdec", model_names=("encdec",), build_model=_encdec_model, build_lit=_encdec_lit,
+    accepts=lambda d: d.name in SEQ2SEQ_DATA, data_help=", ".join(SEQ2SEQ_DATA),
+    metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"],
+))
+register_family(Family(
+    name="encoder", model_names=("encoder",), build_model=_encoder_model, build_lit=_encoder_lit,
+    accepts=lambda d: d.name == "text", data_help="text", metrics=lambda d: ["val/loss", "val/ppl", "val/acc"],
+))

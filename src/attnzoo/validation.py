@@ -1,0 +1,114 @@
+"""Validation of a whole composed run config (`validate`): the typed sections from `config`, the model
+family's data and metrics (`families`), the trainer, callbacks, loggers and output directory. Every
+ConfigError surfaces here, before any work. A layer above `config` (it knows the data modules and the
+model families), so the model-part configs never import it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ModelConfig, TrainConfig, TrainerConfig, _merge, resolve_model, tagged
+from .data import DATAMODULES
+from .errors import ConfigError, check, check_choice
+from .families import check_data, family_of
+
+
+def _check_trainer(t: TrainerConfig) -> None:
+    vci = t.val_check_interval
+    check(isinstance(vci, (int, float)) and not isinstance(vci, bool) and vci > 0 and (isinstance(vci, int) or vci <= 1),
+          "trainer.val_check_interval", f"got {vci!r}; allowed: a positive number of steps, or a fraction in (0, 1]")
+    lvb = t.limit_val_batches
+    check(isinstance(lvb, (int, float)) and not isinstance(lvb, bool) and lvb >= 0, "trainer.limit_val_batches",
+          f"got {lvb!r}; allowed: a number of batches >= 0, or a fraction in [0, 1]")
+    check(t.gradient_clip_val is None or t.gradient_clip_val > 0, "trainer.gradient_clip_val",
+          f"got {t.gradient_clip_val}; allowed: a positive norm, or null (no clipping)")
+    check(t.log_every_n_steps > 0, "trainer.log_every_n_steps", f"must be positive, got {t.log_every_n_steps}")
+    check(t.num_nodes >= 1, "trainer.num_nodes", f"must be >= 1, got {t.num_nodes}")
+    d = t.devices
+    ok = d in ("auto", -1, "-1") or isinstance(d, (list, tuple)) and len(d) > 0 or (str(d).isdigit() and int(d) >= 1)
+    check(ok, "trainer.devices", f"got {d!r}; allowed: a count >= 1, a list of device ids, -1 or auto")
+
+
+def check_devices_present(t: TrainerConfig) -> None:
+    """Run time, not config validation (a GPU preset is a valid config on a CPU machine): the requested
+    accelerator exists here."""
+    if t.accelerator in ("gpu", "cuda"):
+        import torch
+
+        check(torch.cuda.is_available(), "trainer.accelerator",
+              f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu "
+              f"(trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes)")
+
+
+def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
+    every = cb.get("checkpoint_every_n_steps")
+    check(every is None or (isinstance(every, int) and every >= 0), "callbacks.checkpoint_every_n_steps",
+          f"got {every!r}; allowed: null (every val_check_interval), 0 (same) or a positive number of steps")
+    # metrics that exist when checkpoints / early stopping read them: validation metrics of this task
+    metrics = family_of(model).metrics(data)
+    monitors = [("callbacks.monitor", cb.get("monitor"))]
+    if isinstance(cb.get("early_stop"), dict):
+        monitors.append(("callbacks.early_stop.monitor", cb["early_stop"].get("monitor")))
+    for field_name, m in monitors:
+        if m is not None:
+            check_choice(m, field_name, metrics)
+
+
+def _check_output_dir(path: str) -> None:
+    """The run dir (or its nearest existing parent) must be writable: fail now, not at the first checkpoint."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    check(p.is_dir() and os.access(p, os.W_OK | os.X_OK), "paths.output_dir",
+          f"{path} is not writable ({p} is {'not a directory' if not p.is_dir() else 'read-only'}); allowed: a writable directory")
+
+
+def validate(cfg: DictConfig) -> dict:
+    """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    model_node = container.pop("model", None)
+    data_node = container.pop("data", None)
+    logger_node = container.pop("logger", None)
+    callbacks_node = container.pop("callbacks", None)
+    run: TrainConfig = _merge(TrainConfig, container, "")
+    model = resolve_model(model_node)
+    data = tagged(DATAMODULES, data_node, "data", default_name="text")
+    check_data(model, data)  # a data module the model's family cannot use: refused before any work
+    if hasattr(data, "validate"):
+        data.validate(model, field="data")
+    check_choice(run.optim.name, "optim.name", ("adamw",))
+    check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
+    check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",
+          f"got {list(run.optim.betas)}; allowed: two values in [0, 1), e.g. [0.9, 0.95]")
+    check(run.optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {run.optim.weight_decay}")
+    check(run.optim.eps > 0, "optim.eps", f"must be positive, got {run.optim.eps}")
+    check_choice(run.scheduler.name, "scheduler.name", ("cosine", "noam", "constant"))
+    check(run.scheduler.warmup_steps >= 0, "scheduler.warmup_steps", f"must be >= 0, got {run.scheduler.warmup_steps}")
+    check(0 <= run.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
+          f"must be in [0, 1] (a fraction of optim.lr), got {run.scheduler.min_lr_ratio}")
+    check(run.trainer.max_steps > 0, "trainer.max_steps", "must be positive")
+    _check_trainer(run.trainer)
+    _check_callbacks(callbacks_node or {}, data, model)
+    _check_output_dir(run.paths.output_dir)
+    if model.position.name != "none":
+        check(data.seq_len <= model.max_seq_len, "data.seq_len",
+              f"{data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; allowed: <= {model.max_seq_len} "
+              f"(or raise model.max_seq_len)")
+    check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
+    check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
+    check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
+    check_choice(
+        run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+    )
+    check_choice(run.trainer.accelerator, "trainer.accelerator", ("cpu", "gpu", "cuda", "auto", "mps"))
+    if logger_node is not None and not isinstance(logger_node, dict):
+        raise ConfigError("expected a mapping", field="logger")
+    for name in (logger_node or {}):
+        check_choice(name, f"logger.{name}", ("csv", "tensorboard", "wandb"))
+    return {"run": run, "model": model, "data": data, "logger": logger_node or {}, "callbacks": callbacks_node or {}}
