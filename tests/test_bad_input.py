@@ -13,10 +13,17 @@ from tests.conftest import compose_cfg
 FAST = ["debug=smoke", "data.max_chars=300000", "data.tokenizer=char"]
 
 
+def base_for(overrides: list) -> list:
+    """FAST for the text task; the smoke sizes alone for another data module (its own keys)."""
+    other = any(o.startswith(("data=", "model=encdec")) for o in overrides)
+    return ["debug=smoke"] if other else FAST
+
+
 def _cases(tmp):
     (tmp / "empty.txt").write_text("")
     (tmp / "short.txt").write_text("just a few characters of text\n")
     (tmp / "bad.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    (tmp / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 8)
     cases = [
         ("unknown mixer", ["model.mixer.name=softmaxx"], "model.mixer.name", "allowed: " + ", ".join(MIXERS.names())),
         ("unknown ffn", ["model.ffn.name=glu"], "model.ffn.name", "allowed: " + ", ".join(FFNS.names())),
@@ -48,8 +55,94 @@ def _cases(tmp):
         ("negative warmup", ["scheduler.warmup_steps=-5"], "scheduler.warmup_steps", ">= 0"),
         ("negative lr floor", ["scheduler.min_lr_ratio=-1"], "scheduler.min_lr_ratio", "in [0, 1]"),
         ("misspelt key", ["+model.n_head=4"], "model.n_head", "did you mean model.n_heads?"),
+        ("binary corpus", [f"data.path={tmp}/image.txt"], "data.path", "is a binary file (NUL byte at offset 8)"),
+        ("vocab beyond the corpus", ["data.tokenizer=bpe", "data.max_chars=20000", "data.vocab_size=50000"],
+         "data.vocab_size", "50000 asked for, but this corpus (20,000 characters) supports only"),
         ("encdec on text", ["model=encdec"], "data", "cannot train on data=text; allowed: reversal, sorting, addition"),
         ("output dir under a file", [f"paths.output_dir={tmp}/empty.txt/run"], "paths.output_dir", "not writable"),
+    ]
+    # model, per mixer and FFN
+    cases += [
+        ("zero layers", ["model.n_layers=0"], "model.n_layers", "must be positive"),
+        ("zero heads", ["model.n_heads=0"], "model.n_heads", "must be positive"),
+        ("zero width", ["model.d_model=0"], "model.d_model", "must be positive"),
+        ("zero max_seq_len", ["model.max_seq_len=0"], "model.max_seq_len", "must be positive"),
+        ("zero kv heads", ["model.n_kv_heads=0"], "model.n_kv_heads", "must be positive"),
+        ("unknown norm position", ["model.norm_position=middle"], "model.norm_position", "allowed: pre, post"),
+        ("unknown init", ["model.init=xavier"], "model.init", "allowed: gpt2, pytorch"),
+        ("unknown norm", ["model.norm.name=batchnorm"], "model.norm.name", "allowed: rmsnorm, layernorm"),
+        ("rotary fraction 0", ["model.position.rotary_fraction=0"], "model.position.rotary_fraction", "(0, 1]"),
+        ("dropout 1", ["model.dropout=1.0"], "model.dropout", "[0, 1)"),
+        ("negative vocab", ["model.vocab_size=-1"], "model.vocab_size", "must be positive"),
+        ("empty pattern", ["model.pattern=[]"], "model.pattern", "is empty"),
+        ("unknown mixer in pattern", ["model.pattern=[gqa,nosuch]"], "model.pattern", "unknown mixer 'nosuch'"),
+        ("negative conv", ["model.mixer.conv_size=-1"], "model.layers[0].mixer.conv_size", "must be >= 0"),
+        ("mixer kv heads", ["model.mixer.n_kv_heads=3"], "model.layers[0].mixer.n_kv_heads", "allowed: 1, 2, 4"),
+        ("conv on a bidirectional mixer", ["model.mixer.causal=false", "model.mixer.conv_size=2"],
+         "model.layers[0].mixer.conv_size", "the conv is causal"),
+        ("mla odd rope dim", ["model/mixer=mla", "model.mixer.qk_rope_head_dim=3"], "model.layers[0].mixer.qk_rope_head_dim", "must be even"),
+        ("mla absorb", ["model/mixer=mla", "model.mixer.absorb=sometimes"], "model.layers[0].mixer.absorb", "allowed: decode, always, never"),
+        ("deltanet chunk 0", ["model/mixer=deltanet", "model.mixer.chunk_size=0"], "model.layers[0].mixer.chunk_size", ">= 1"),
+        ("deltanet value heads", ["model/mixer=deltanet", "model.mixer.n_v_heads=3"], "model.layers[0].mixer.n_v_heads", "not a multiple"),
+        ("deltanet activation", ["model/mixer=deltanet", "model.mixer.qkv_activation=relu"], "model.layers[0].mixer.qkv_activation", "allowed: silu, none"),
+        ("linear feature map", ["model/mixer=linear_attention", "model.mixer.feature_map=nosuch"], "model.layers[0].mixer.feature_map", "allowed:"),
+        ("linear chunk 0", ["model/mixer=linear_attention", "model.mixer.chunk_size=0"], "model.layers[0].mixer.chunk_size", ">= 1"),
+        ("bidirectional window", ["model/mixer=sliding_window", "model.mixer.causal=false"], "model.layers[0].mixer.causal", "causal only"),
+        ("zero d_ff", ["model.ffn.d_ff=0"], "model.ffn.d_ff", "must be positive"),
+        ("mlp activation", ["model/ffn=mlp", "model.ffn.activation=tanh"], "model.ffn.activation", "allowed: gelu, relu"),
+        ("zero experts", ["model/ffn=moe", "model.ffn.n_experts=0"], "model.ffn.n_experts", ">= 1"),
+        ("moe expert type", ["model/ffn=moe", "model.ffn.expert_type=glu"], "model.ffn.expert_type", "allowed: swiglu, mlp"),
+        ("moe scoring", ["model/ffn=moe", "model.ffn.scoring=relu"], "model.ffn.scoring", "allowed: softmax, sigmoid"),
+        ("moe dispatch", ["model/ffn=moe", "model.ffn.dispatch=magic"], "model.ffn.dispatch", "allowed: auto, grouped_mm, loop"),
+        ("moe shared experts", ["model/ffn=moe", "model.ffn.n_shared_experts=-1"], "model.ffn.n_shared_experts", ">= 0"),
+        ("moe capacity", ["model/ffn=moe", "model.ffn.capacity_factor=0"], "model.ffn.capacity_factor", ""),
+        ("moe dense layers", ["model/ffn=moe", "model.ffn.first_k_dense=99"], "model.ffn.first_k_dense", ""),
+        ("moe groups", ["model/ffn=moe", "model.ffn.n_experts=8", "model.ffn.n_group=3"], "model.ffn.n_group", "a divisor of n_experts"),
+        ("moe aux coefficient", ["model/ffn=moe", "model.ffn.aux_loss_coef=-1"], "model.ffn.aux_loss_coef", ">= 0"),
+        ("wrong type", ["model.d_model=abc"], "model.d_model", ""),
+        ("wrong type (run)", ["trainer.max_steps=abc"], "trainer.max_steps", ""),
+    ]
+    # data (synthetic tasks, text, seq2seq) and the other families
+    cases += [
+        ("mqar no pairs", ["data=mqar", "data.num_kv_pairs=0"], "data.num_kv_pairs", ">= 1"),
+        ("mqar power", ["data=mqar", "data.power_a=0"], "data.power_a", "(0, 1]"),
+        ("mqar vocab", ["data=mqar", "data.vocab_size=8"], "data.vocab_size", ""),
+        ("mqar short", ["data=mqar", "data.seq_len=2"], "data.seq_len", ""),
+        ("zero batch", ["data=mqar", "data.batch_size=0"], "data.batch_size", "must be positive"),
+        ("train smaller than batch", ["data=mqar", "data.train_size=1"], "data.train_size", "smaller than batch_size"),
+        ("no validation set", ["data=mqar", "data.val_size=0"], "data.val_size", "must be positive"),
+        ("copy nothing", ["data=copying", "data.copy_len=0"], "data.copy_len", ">= 1"),
+        ("copy too long", ["data=copying", "data.copy_len=40"], "data.copy_len", ""),
+        ("induction short", ["data=induction_heads", "data.seq_len=3"], "data.seq_len", ">= 4"),
+        ("noisy ar noise vocab", ["data=noisy_ar", "data.noise_vocab=0"], "data.noise_vocab", ">= 1"),
+        ("unknown tokenizer", ["data.tokenizer=wordpiece"], "data.tokenizer", "allowed: bpe, char"),
+        ("val fraction", ["data.val_fraction=0.7"], "data.val_fraction", "(0, 0.5)"),
+        ("bpe vocab too small", ["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", ">= 260"),
+        ("decoder on seq2seq data", ["data=reversal"], "data", "cannot train on data=reversal"),
+        ("encoder on a synthetic task", ["model=encoder", "data=copying"], "data", "cannot train on data=copying; allowed: text"),
+        ("addition vocab", ["model=encdec", "data=addition", "data.vocab_size=20"], "data.vocab_size", "allowed: 14"),
+        ("addition digits", ["model=encdec", "data=addition", "data.max_digits=20"], "data.max_digits", ""),
+        ("reversal min_len", ["model=encdec", "data=reversal", "data.min_len=0"], "data.min_len", ""),
+        ("encdec label smoothing", ["model=encdec", "data=reversal", "+model.encdec.label_smoothing=1.5"], "model.encdec.label_smoothing", "[0, 1)"),
+        ("encdec cross attention", ["model=encdec", "data=reversal", "+model.encdec.cross_attention=linear"], "model.encdec.cross_attention", "allowed: mha, gqa, mqa"),
+        ("encdec unknown option", ["model=encdec", "data=reversal", "+model.encdec.nosuch=1"], "model.encdec.nosuch", "unknown key"),
+        ("encoder mask probability", ["model=encoder", "+model.encdec.mlm_prob=0"], "model.encdec.mlm_prob", "(0, 1)"),
+        ("encdec non-causal decoder", ["model=encdec", "data=reversal", "model.mixer.causal=false"], "model.mixer.causal", "must be causal"),
+    ]
+    # training, schedule, trainer, callbacks, loggers
+    cases += [
+        ("zero lr", ["optim.lr=0"], "optim.lr", "must be positive"),
+        ("zero eps", ["optim.eps=0"], "optim.eps", "must be positive"),
+        ("unknown optimizer", ["optim.name=sgd"], "optim.name", "allowed: adamw"),
+        ("unknown schedule", ["scheduler.name=step"], "scheduler.name", "allowed: cosine, noam, constant"),
+        ("zero steps", ["trainer.max_steps=0"], "trainer.max_steps", "must be positive"),
+        ("zero accumulation", ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", ">= 1"),
+        ("unknown precision", ["trainer.precision=8-true"], "trainer.precision", "allowed:"),
+        ("unknown nonfinite policy", ["on_nonfinite=panic"], "on_nonfinite", "allowed: stop, skip, ignore"),
+        ("unknown early-stop metric", ["+callbacks.early_stop={monitor: val/nosuch}"], "callbacks.early_stop.monitor", "allowed: val/loss, val/ppl"),
+        ("unknown logger", ["+logger.mlflow={}"], "logger.mlflow", "allowed: csv, tensorboard, wandb"),
+        ("budget without params", ["+model_budget={count: total}"], "model_budget", "expected {params: N"),
+        ("unreachable budget", ["model/ffn=none", "+model_budget={params: 10}"], "model_budget.params", ""),
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))
@@ -71,7 +164,7 @@ def test_bad_input_fails_before_work_with_one_line(case, tmp_path):
     out = tmp_path / "run"
     own_out = any(o.startswith("paths.output_dir=") for o in overrides)  # the case names its own output dir
     with pytest.raises(ConfigError) as e:
-        train(compose_cfg(FAST + overrides, None if own_out else out))
+        train(compose_cfg(base_for(overrides) + overrides, None if own_out else out))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(field), msg
     assert phrase in msg, msg
@@ -99,3 +192,45 @@ def test_several_loggers_at_once(tmp_path):
 
     parts = validate(compose_cfg(FAST + ["logger=[tensorboard,wandb]"], tmp_path / "run"))
     assert {"csv", "tensorboard", "wandb"} <= set(parts["logger"])
+
+
+def test_low_disk_is_refused_before_work(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import attnzoo.validation as v
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(v.shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (5 << 20), 5 << 20))
+    with pytest.raises(ConfigError, match=r"^paths.output_dir: .*only 5.0 MiB free .* allowed: >= 64 MiB free") as e:
+        train(compose_cfg(FAST, tmp_path / "run"))
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+    assert shutil.disk_usage is not None
+
+
+def test_disk_full_during_the_run_is_one_line(tmp_path, monkeypatch):
+    """ENOSPC while writing a checkpoint: one line naming the output dir and how to resume, no traceback."""
+    import errno
+
+    from attnzoo.checkpoint import AtomicCheckpointIO
+
+    def full(self, checkpoint, path, storage_options=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", full)
+    with pytest.raises(ConfigError, match=r"^paths.output_dir: no space left writing .*last.ckpt .*--resume") as e:
+        train(compose_cfg(FAST, tmp_path / "run"))
+    assert "\n" not in str(e.value)
+
+
+def test_misspelt_key_without_plus_is_one_line_from_the_cli(tmp_path):
+    """`model.n_head=4` (no `+`): Hydra's own report is five lines; the CLI says one, with the suggestion."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "model.n_head=4", f"hydra.run.dir={tmp_path}/r"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnzoo: error: model.n_head: unknown key; did you mean model.n_heads?")
+    assert not (tmp_path / "r").exists()

@@ -36,6 +36,8 @@ def test_train_loss_falls_and_writes_summary(tmp_path):
     assert metrics["cache/bytes_at_ctx"] == 32 * metrics["cache/bytes_per_token"]
     assert 0 < metrics["perf/mfu"] < 1
     assert summary["sample"] and summary["sample"].startswith("def ")
+    assert summary["model"]["family"] == "decoder"
+    assert summary["model"]["layers"] == [{"mixer": "gqa", "n_heads": 4, "n_kv_heads": 2, "head_dim": 8}] * 2
     rows = read_metrics(out)
     val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(val) >= 3 and val[-1] < val[0]

@@ -35,6 +35,7 @@ class Family:
     data_help: str  # the allowed data modules, for the error message
     metrics: Callable[[Any], list]
     decoder_only: bool = False
+    check_model: Callable[[dict], Any] | None = None  # family-only options (model.encdec), checked by validate
 
 
 FAMILIES: dict[str, Family] = {}
@@ -65,6 +66,12 @@ def check_data(model_cfg: Any, data_cfg: Any) -> None:
     if not fam.accepts(data_cfg):
         raise ConfigError(f"model={getattr(model_cfg, 'name', fam.name)} ({fam.name} family) cannot train on "
                           f"data={data_cfg.name}; allowed: {fam.data_help}", field="data")
+
+
+def _check_encdec_options(model_node: dict) -> None:
+    from .encdec import split_config
+
+    split_config(model_node, vocab_size=model_node.get("vocab_size") or 2)  # the vocabulary is not known yet
 
 
 def embedding_params(model: nn.Module) -> int:
@@ -123,9 +130,10 @@ register_family(Family(
 register_family(Family(
     name="encdec", model_names=("encdec",), build_model=_encdec_model, build_lit=_encdec_lit,
     accepts=lambda d: d.name in SEQ2SEQ_DATA, data_help=", ".join(SEQ2SEQ_DATA),
-    metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"],
+    metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"], check_model=_check_encdec_options,
 ))
 register_family(Family(
     name="encoder", model_names=("encoder",), build_model=_encoder_model, build_lit=_encoder_lit,
     accepts=lambda d: d.name == "text", data_help="text", metrics=lambda d: ["val/loss", "val/ppl", "val/acc"],
+    check_model=_check_encdec_options,
 ))

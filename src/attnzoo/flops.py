@@ -1,4 +1,4 @@
-"""FLOPs accounting and the hardware peak for MFU (DESIGN.md section 5).
+"""FLOPs accounting and the hardware peak for MFU (the conventions: README, "Metrics"; mixers/base.py).
 
 Model FLOPs are analytic (a multiply-add = 2 FLOPs): each mixer's and FFN's `flops_per_token(context)`,
 plus the LM head `2 * d_model * vocab`. Training = 3x forward (backward = 2x forward).

@@ -4,7 +4,7 @@ A submodule may define any of: a tensor attribute `aux_loss` left by its last fo
 training loss), `stats() -> {name: tensor}` (logged, averaged over layers under one name), and
 `after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias).
 `DecoderLM`, the encoder-decoder and the LightningModules all use these, so no model family can
-forget one (the MoE loss silently absent from the loss: DESIGN.md pitfall 5).
+forget one (the MoE loss silently absent from the loss).
 """
 from __future__ import annotations
 

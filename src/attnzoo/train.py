@@ -133,19 +133,30 @@ def describe_model(model) -> str:
     )
 
 
-def train(cfg: DictConfig) -> dict:
-    """Train one run from a composed config; returns the final metrics (also written to summary.json)."""
+def train(cfg: DictConfig, on_accept=None) -> dict:
+    """Train one run from a composed config; returns the final metrics (also written to summary.json).
+    `on_accept()` is called once the run is accepted (config valid, run dir free, resume compatible),
+    before anything is written to the run dir (the CLI writes `.hydra/` there then)."""
     from .rundir import run_dir_lock
 
     t_start = time.perf_counter()
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
-    with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
-        return _train(cfg, parts, out, t_start)
+    try:
+        with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
+            return _train(cfg, parts, out, t_start, on_accept)
+    except OSError as e:
+        import errno
+
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk filled up during the run: one line, not a traceback
+            raise ConfigError(f"no space left writing {e.filename or out} ({e.strerror}); the last complete "
+                              f"checkpoint is kept; allowed: free space, then resume with --resume {out}",
+                              field="paths.output_dir") from e
+        raise
 
 
-def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
+def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=None) -> dict:
     """The steps of one run, in order; each is a function below."""
     import lightning as L
 
@@ -161,6 +172,8 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float) -> dict:
         from .checkpoint import check_resume_compatible
 
         check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
+    if on_accept is not None:
+        on_accept()
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
         launch_workers(container, out, n_workers)
@@ -366,8 +379,14 @@ def _run_job(cfg: DictConfig) -> float | None:
             with open_dict(cfg):
                 cfg.ckpt_path = "last"
             print(f"attnzoo: resuming {out} from its last.ckpt", flush=True)
+    out = Path(cfg.paths.output_dir)
+    if (out / ".hydra").exists():  # an earlier run's dir: its record is rewritten only once this run is accepted
+        on_accept = lambda: save_hydra_record(cfg, out)  # noqa: E731
+    else:  # a new dir: recorded now, so a job refused in a sweep still shows its overrides in the report
+        save_hydra_record(cfg, out)
+        on_accept = None
     try:
-        metrics = train(cfg)
+        metrics = train(cfg, on_accept=on_accept)
     except (ConfigError, FileNotFoundError) as e:
         if not multirun:
             print(f"attnzoo: error: {e}", file=sys.stderr)
@@ -383,6 +402,23 @@ def _run_job(cfg: DictConfig) -> float | None:
         # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
         sys.exit(0)
     return metrics.get(target)
+
+
+def save_hydra_record(cfg: DictConfig, out: Path) -> None:
+    """What Hydra writes to <run dir>/.hydra (config.yaml, hydra.yaml, overrides.yaml), written by us
+    (conf/hydra/default.yaml sets output_subdir: null) so that a refused run cannot overwrite the
+    record of the run that owns the directory (issue 12: the report then listed the refused overrides)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # not under Hydra (tests call train() directly)
+        return
+    d = out / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hc}), d / "hydra.yaml")
+    OmegaConf.save(hc.overrides.task, d / "overrides.yaml")
 
 
 def _record_failure(cfg: DictConfig, err: BaseException) -> None:
@@ -412,6 +448,51 @@ def check_group_overrides(args: list[str]) -> str | None:
             if option and option != "null" and option not in allowed:
                 return f"{key}: unknown option {option!r}; allowed: {', '.join(allowed)}"
     return None
+
+
+def check_unknown_keys(args: list[str]) -> str | None:
+    """One-line error for `a.b=value` naming a key the composed config does not have (`model.n_head=4`:
+    Hydra reports it in five lines; here `model.n_head: unknown key; did you mean model.n_heads? ...`).
+    Single runs only (a multirun's jobs are checked by Hydra / validate per job); any other composition
+    problem is left to Hydra's own report."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+
+    if any(a in ("-m", "--multirun") for a in args) or any(a.startswith("hydra.searchpath") for a in args):
+        return None
+    overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+
+    def composed(ov):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                return compose(config_name="train", overrides=ov)
+        finally:
+            GlobalHydra.instance().clear()
+
+    try:
+        composed(overrides)
+        return None
+    except ConfigCompositionException as e:
+        bad = next((a for a in overrides if f"'{a.split('=', 1)[0]}'" in str(e)), None)
+        if bad is None or bad.startswith(("+", "~")) or "/" in bad.split("=", 1)[0]:
+            return None
+    except Exception:  # noqa: BLE001 - anything else: Hydra reports it as usual
+        return None
+    key = bad.split("=", 1)[0]
+    parent, _, leaf = key.rpartition(".")
+    try:
+        node = composed([a for a in overrides if a != bad])
+        node = OmegaConf.select(node, parent) if parent else node
+    except Exception:  # noqa: BLE001
+        return None
+    keys = list(node.keys()) if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+    return f"{key}: unknown key; {hint}allowed keys: {', '.join(map(str, keys))} (add a new key with +{bad})"
 
 
 def resume_argv(argv: list[str]) -> list[str]:
@@ -446,7 +527,7 @@ def main() -> None:
     except ConfigError as e:
         print(f"attnzoo: error: {e}", file=sys.stderr)
         sys.exit(2)
-    problem = check_group_overrides(sys.argv[1:])
+    problem = check_group_overrides(sys.argv[1:]) or check_unknown_keys(sys.argv[1:])
     if problem:
         print(f"attnzoo: error: {problem}", file=sys.stderr)
         sys.exit(2)

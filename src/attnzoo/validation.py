@@ -5,6 +5,7 @@ model families), so the model-part configs never import it.
 """
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -56,6 +57,9 @@ def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
             check_choice(m, field_name, metrics)
 
 
+MIN_FREE_BYTES = 64 << 20  # below this a run would stop at its first checkpoint with ENOSPC
+
+
 def _check_output_dir(path: str) -> None:
     """The run dir (or its nearest existing parent) must be writable: fail now, not at the first checkpoint."""
     import os
@@ -66,6 +70,10 @@ def _check_output_dir(path: str) -> None:
         p = p.parent
     check(p.is_dir() and os.access(p, os.W_OK | os.X_OK), "paths.output_dir",
           f"{path} is not writable ({p} is {'not a directory' if not p.is_dir() else 'read-only'}); allowed: a writable directory")
+    free = shutil.disk_usage(p).free
+    check(free >= MIN_FREE_BYTES, "paths.output_dir",
+          f"{path}: only {free / 2**20:.1f} MiB free on its filesystem; allowed: >= {MIN_FREE_BYTES >> 20} MiB free "
+          f"(checkpoints, logs)")
 
 
 def validate(cfg: DictConfig) -> dict:
@@ -78,6 +86,8 @@ def validate(cfg: DictConfig) -> dict:
     callbacks_node = container.pop("callbacks", None)
     run: TrainConfig = _merge(TrainConfig, container, "")
     model = resolve_model(model_node)
+    if family_of(model).check_model is not None:  # the family's own options (model.encdec)
+        family_of(model).check_model(model_node)
     data = tagged(DATAMODULES, data_node, "data", default_name="text")
     check_data(model, data)  # a data module the model's family cannot use: refused before any work
     if hasattr(data, "validate"):

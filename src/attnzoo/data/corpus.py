@@ -38,7 +38,12 @@ def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str
         source = str(p)
     parts, total = [], 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        raw = f.read_bytes()
+        nul = raw.find(b"\0", 0, 1 << 16)  # text files never hold NUL bytes; binaries (images, archives, .pt) do
+        if nul >= 0:
+            raise ConfigError(f"{f} is a binary file (NUL byte at offset {nul}); allowed: UTF-8 text files",
+                              field="data.path")
+        text = raw.decode("utf-8", errors="replace")
         parts.append(text)
         total += len(text)
         if max_chars is not None and total >= max_chars:

@@ -66,6 +66,11 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         text, source = load_corpus(cfg.path, cfg.max_chars)
         sha = text_sha(text)
         self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
+        if cfg.tokenizer == "bpe" and self.tokenizer.vocab_size < cfg.vocab_size // 2:
+            raise ConfigError(
+                f"{cfg.vocab_size} asked for, but this corpus ({len(text):,} characters) supports only "
+                f"{self.tokenizer.vocab_size} BPE tokens (what the tokenizer learned); allowed: <= "
+                f"{self.tokenizer.vocab_size}, or a larger corpus", field="data.vocab_size")
         key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
         ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
         n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)

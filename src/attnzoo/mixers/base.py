@@ -1,4 +1,9 @@
-"""The mixer contract (DESIGN.md section 2) every token mixer implements."""
+"""The mixer contract: what every token mixer implements, and what the rest of the model assumes.
+
+A new mixer is one file in this package plus one yaml in conf/model/mixer/ (the yaml's values must equal
+the config dataclass's defaults: tests/test_families.py checks it). tests/test_mixers_contract.py applies
+the whole contract below to every registered mixer automatically.
+"""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -10,13 +15,31 @@ from torch import nn
 class Mixer(nn.Module):
     """Maps (B, T, d_model) -> (B, T, d_model).
 
-    Subclasses are constructed as `cls(cfg, model_cfg, layer_idx)` and implement:
-      forward(x, *, positions, cache=None): positions are absolute token positions (T,); `cache` is this
-          layer's cache (from `new_cache`), read and updated in place; None for a plain training forward.
-      new_cache(batch, max_len, dtype, device): an empty cache of this mixer's kind.
-      cache_bytes(context_len, batch=1, dtype=torch.float32): analytic bytes held after context_len tokens.
-      flops_per_token(context_len): forward FLOPs per token, averaged over positions 1..context_len.
-    `impl` selects the fast form ("fast") or the slow reference form ("reference") of the same weights.
+    Registration: `@register_mixer("name", ConfigDataclass)` on the class; the dataclass has a `name` field
+    and may define `validate(model_cfg, field)` raising `ConfigError` (one line, naming `field.<key>`)
+    for values that are wrong for this model (called by `config.resolve_model` before anything is built).
+
+    Construction: `cls(cfg, model_cfg, layer_idx)`; model_cfg is the resolved `ModelConfig` (head_dim,
+    n_kv_heads, position settled once: read them, do not re-derive them).
+
+    Required:
+      forward(x (B, T, d_model), *, positions (T,) absolute token positions, cache=None) -> (B, T, d_model).
+          With a cache: continue from what the cache holds (any T >= 1: one-token decode and multi-token
+          chunks on a non-empty cache must both equal the full forward), and update the cache in place.
+      new_cache(batch, max_len, dtype, device) -> a `cache.LayerCache` subclass. Every tensor it holds is
+          batch-first (beam search reorders dim 0 of every tensor attribute) and counted by `nbytes()`.
+      cache_bytes(context_len, batch=1, dtype=torch.float32) -> int: the analytic bytes held after
+          context_len tokens; must equal the cache's measured `nbytes()` after a real prefill.
+      flops_per_token(context_len) -> float: forward FLOPs per token averaged over positions 1..L, by the
+          project's convention (2 per multiply-add; causal average of attended keys; softmax, norms and
+          the delta rule's triangular inverse not counted); checked against FlopCounterMode.
+    Conventions the model relies on:
+      - the output projection is named `o_proj` (GPT-2 init scales it by 1/sqrt(2 n_layers));
+      - parameters that must not be weight-decayed carry `_no_weight_decay = True` (e.g. A_log, dt_bias);
+      - `impl = "reference"` switches to a slow, obviously-correct form of the same weights: a different
+        code path (the contract test fails when the two are bit-identical), equal to fp64 precision;
+      - a short input conv (`build_input_conv` / `shift`) keeps its K-1 tail in `cache.conv_tail`;
+      - `layer_shape()` reports what the layer really is (heads, KV heads, sizes, state) for summaries.
     """
 
     impl: str = "fast"

@@ -1,0 +1,70 @@
+"""Regenerate the bad-input table of docs/reliability.md from the cases tests/test_bad_input.py checks:
+each case is run through `train()` as the test runs it, and its real one-line message is written down.
+
+    .venv/bin/python scripts/bad_input_table.py          # rewrites the table between the markers
+"""
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BEGIN, END = "<!-- bad-input table: begin (scripts/bad_input_table.py) -->", "<!-- bad-input table: end -->"
+# checked by other tests (the CLI before Hydra, a live lock, a disk filling up, a refused resume)
+EXTRA = [
+    ("`model/mixer=softmaxx` (any unknown option of a config group)", "model/mixer: unknown option 'softmaxx'; allowed: deltanet, gated_deltanet, gqa, linear_attention, mha, mla, mqa, sliding_window"),
+    ("`model.n_head=4` (a misspelt key, no `+`)", "model.n_head: unknown key; did you mean model.n_heads? allowed keys: ... (add a new key with +model.n_head=4)"),
+    ("`paths.output_dir=` on a disk with < 64 MiB free", "paths.output_dir: <dir>: only 5.0 MiB free on its filesystem; allowed: >= 64 MiB free (checkpoints, logs)"),
+    ("the disk fills up during the run", "paths.output_dir: no space left writing <ckpt> (No space left on device); the last complete checkpoint is kept; allowed: free space, then resume with --resume <run dir>"),
+    ("a second run into a live run's dir", "hydra.run.dir: <dir> is in use by a live run (pid N on host); allowed: another hydra.run.dir, ..."),
+    ("`ckpt_path=last` with another model config", "ckpt_path: <ckpt> was trained with another model/data config: model.mixer.name ('gqa' -> 'mla'); allowed: the run's own values (attnzoo-train --resume RUN_DIR reuses them)"),
+    ("`--resume DIR` on a dir that is not a run", "--resume: <dir> is not a run directory (no .hydra/overrides.yaml)"),
+    ("`attnzoo-report` on a job with a broken summary.json", "one stderr line per bad job; the report is still built"),
+]
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from attnzoo.errors import ConfigError
+    from attnzoo.train import train
+    from tests.conftest import compose_cfg
+    from tests.test_bad_input import _cases, base_for
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name, overrides, field, _ in _cases(tmp):
+            own_out = any(o.startswith("paths.output_dir=") for o in overrides)
+            try:
+                train(compose_cfg(base_for(overrides) + overrides, None if own_out else tmp / "run"))
+                msg = "NOT REFUSED"
+            except ConfigError as e:
+                msg = str(e).replace(str(tmp), "<tmp>")
+            shown = " ".join(o.replace(str(tmp), "<tmp>") for o in overrides)
+            rows.append((f"{name}: `{shown}`", msg))
+    rows += EXTRA
+    bad = [r for r in rows if r[1] == "NOT REFUSED"]
+    if bad:
+        raise SystemExit(f"not refused: {bad}")
+    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+    table = ["| # | input | message (one line, exit status 2) |", "|---|---|---|"]
+    table += [f"| {i} | {esc(a)} | `{esc(b)}` |" for i, (a, b) in enumerate(rows, 1)]
+    doc = ROOT / "docs" / "reliability.md"
+    text = doc.read_text()
+    block = BEGIN + "\n" + "\n".join(table) + "\n" + END
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda m: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+    print(f"{len(rows)} rows written to {doc}")
+
+
+if __name__ == "__main__":
+    main()
