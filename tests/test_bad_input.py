@@ -27,7 +27,7 @@ def _cases(tmp):
     cases = [
         ("unknown mixer", ["model.mixer.name=softmaxx"], "model.mixer.name", "allowed: " + ", ".join(MIXERS.names())),
         ("unknown ffn", ["model.ffn.name=glu"], "model.ffn.name", "allowed: " + ", ".join(FFNS.names())),
-        ("unknown position", ["model.position.name=alibi"], "model.position.name", "allowed: rope, sinusoidal, learned, none"),
+        ("unknown position", ["model.position.name=xpos"], "model.position.name", "allowed: rope, alibi, sinusoidal, learned, none"),
         ("unknown data", ["data.name=imagenet"], "data.name", "allowed:"),
         ("unknown accelerator", ["trainer.accelerator=tpu"], "trainer.accelerator", "allowed:"),
         ("heads", ["model.d_model=30"], "model.d_model", "not divisible by n_heads"),
@@ -64,6 +64,11 @@ def _cases(tmp):
     # model, per mixer and FFN
     cases += [
         ("zero layers", ["model.n_layers=0"], "model.n_layers", "must be positive"),
+        ("unknown rope scaling", ["model.position.scaling=ntk"], "model.position.scaling", "allowed: none, linear, dynamic, yarn, llama3"),
+        ("rope scaling factor 0", ["model.position.scaling=yarn", "model.position.factor=0"], "model.position.factor", "must be > 0"),
+        ("alibi on a sliding window", ["model/mixer=sliding_window", "model/position=alibi"], "model.position.name", "implemented for mha / gqa / mqa"),
+        ("alibi on mla", ["model/mixer=mla", "model/position=alibi"], "model.position.name", "decoupled RoPE key"),
+        ("scaling without rope", ["model/position=sinusoidal", "+model.position.scaling=linear"], "model.position.scaling", "applies to rope only"),
         ("zero heads", ["model.n_heads=0"], "model.n_heads", "must be positive"),
         ("zero width", ["model.d_model=0"], "model.d_model", "must be positive"),
         ("zero max_seq_len", ["model.max_seq_len=0"], "model.max_seq_len", "must be positive"),
@@ -173,7 +178,7 @@ def test_bad_input_fails_before_work_with_one_line(case, tmp_path):
 
 @pytest.mark.parametrize("arg,group", [("model/mixer=softmaxx", "model/mixer"), ("trainer=tpu", "trainer"),
                                        ("data=imagenet", "data"), ("model/ffn=swiglu,glu", "model/ffn"),
-                                       ("model/position=alibi", "model/position")])
+                                       ("model/position=xpos", "model/position")])
 def test_unknown_group_option_is_one_line_listing_choices(arg, group):
     msg = check_group_overrides([arg])
     allowed = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))

@@ -129,3 +129,19 @@ def test_compile_fullgraph_matches_eager(mixer):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for p, g in zip(model.parameters(), ref_grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv", [["cache", "--quick"], ["cache", "--quick", "--n-layers", "2"], ["delta", "--quick"],
+                                  ["moe", "--quick"]], ids=["cache", "cache-2-layers", "delta", "moe"])
+def test_every_subcommand_has_quick(tmp_path, argv):
+    """`--quick` on every subcommand (docs/benchmarks.md promises it); `cache --n-layers 2` used to crash on
+    local_global's 4-layer pattern."""
+    res = run_bench(tmp_path, *argv)
+    assert all(any(positive(v) for k, v in row.items() if k not in ("mixer",)) for row in res["rows"])
+
+
+def test_bad_bench_flags_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--out", str(tmp_path), "cache", "--quick", "--n-heads", "3"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and err.startswith("attnzoo-bench cache: error:")

@@ -154,20 +154,22 @@ def test_sweep_rerun_skips_finished_jobs_and_resumes_interrupted_ones(tmp_path, 
     assert again["metrics"]["val/loss"] == pytest.approx(first["1"]["metrics"]["val/loss"], abs=1e-6)
 
 
-def test_wandb_offline_one_run_per_job_grouped_by_sweep(tmp_path, monkeypatch):
+def test_wandb_offline_one_run_per_job_grouped_by_sweep(tmp_path, monkeypatch, capfd):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     d = tmp_path / "window_sweep"
     run_sweep("window", d, "logger=wandb", "model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
+    out = capfd.readouterr().out
+    assert out.count("attnzoo: wandb offline run in") == 2 and "group window/window_sweep" in out
     runs = sorted(d.glob("*/wandb/offline-run-*"))
     assert len(runs) == 2 and len({r.parent.parent for r in runs}) == 2  # one run in each job's directory
     for r in runs:
         blob = b"".join(p.read_bytes() for p in r.glob("*.wandb"))
-        # the run's group is the sweep's name (from +sweeps=window): a length-prefixed protobuf string in the
-        # run record; the directory name is not used when the sweep is named
-        assert bytes([len(b"window")]) + b"window" in blob
-        assert bytes([len(b"window_sweep")]) + b"window_sweep" not in blob
+        # the run's group is "<sweep name>/<sweep dir>" (from +sweeps=window and the dir): a length-prefixed
+        # protobuf string in the run record; another sweep dir would be another group
+        group = b"window/window_sweep"
+        assert bytes([len(group)]) + group in blob
     assert all(r["status"] == "ok" for r in read_csv(d / "report.csv"))
 
 
@@ -239,3 +241,22 @@ def test_wandb_with_a_key_but_no_server_falls_back_to_offline_quickly(tmp_path, 
     assert lg is not None and "logging offline instead" in out and "wandb offline run in" in out, out
     assert took < 40, took
     lg.experiment.finish()
+
+
+def test_optuna_hparams_search_smoke(tmp_path):
+    """`hparams_search=optuna` (lightning-hydra-template's convention): a study of 2 trials on MQAR, the
+    best value read back from the jobs' returned val/acc."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    d = tmp_path / "optuna"
+    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+                        "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
+                        f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
+                       capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = yaml.safe_load((d / "optimization_results.yaml").read_text())
+    accs = [json.loads((d / j / "summary.json").read_text())["metrics"]["val/acc"] for j in ("0", "1")]
+    assert res["best_value"] == pytest.approx(max(accs)) and "optim.lr" in res["best_params"]

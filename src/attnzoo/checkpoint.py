@@ -79,6 +79,15 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
 RESUMABLE_CHANGES = ("data.num_workers",)
 
 
+def _model_defaults() -> dict:
+    """model.* defaults of the typed config (flattened), for fields a saved config may predate."""
+    import dataclasses
+
+    from .config import ModelConfig
+
+    return {k: v for k, v in flatten({"model": dataclasses.asdict(ModelConfig())}).items() if v is not None}
+
+
 def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path) -> None:
     """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
     config other than the one it was trained with (weights of another shape fail to load; a silent
@@ -87,7 +96,11 @@ def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path)
         return
     old = flatten({s: saved_cfg.get(s) for s in ("model", "data")})
     new = flatten({s: cfg.get(s) for s in ("model", "data")})
-    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+    # a field added to the config after the checkpoint was written, at its default value, changes nothing
+    defaults = _model_defaults()
+    absent = lambda k, d: k not in d and k in defaults  # noqa: E731
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+            and not (absent(k, old) and new.get(k) == defaults[k]) and not (absent(k, new) and old.get(k) == defaults[k])]
     diff.sort(key=lambda k: not k.endswith(".name"))  # a swapped part (mixer, ffn, ...) first, then its fields
     if diff:
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff[:6])

@@ -22,11 +22,22 @@ from .errors import ConfigError, check, check_choice  # noqa: F401  (re-exported
 # ----------------------------------------------------------------------------- model parts
 
 
+ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")  # position.rope_frequencies
+
+
 @dataclass
 class PositionConfig:
-    name: str = "rope"  # rope | sinusoidal | learned | none
+    name: str = "rope"  # rope | alibi | sinusoidal | learned | none
     theta: float = 10000.0  # RoPE base
     rotary_fraction: float = 1.0  # partial rotary: fraction of each head's dims that rotate
+    # RoPE context extension (position.rope_frequencies): none | linear | dynamic | yarn | llama3
+    scaling: str = "none"
+    factor: float = 1.0  # target length / original length
+    original_max_len: Optional[int] = None  # the length trained at (null: model.max_seq_len)
+    beta_fast: float = 32.0  # yarn: channels turning more often than this over the original length are kept
+    beta_slow: float = 1.0  # yarn: channels turning less often than this are interpolated
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are interpolated
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original / high_freq_factor are kept
 
 
 @dataclass
@@ -150,8 +161,9 @@ def _store_schemas() -> None:
     except ImportError:  # pragma: no cover
         return
     cs = ConfigStore.instance()
-    cs.store(group="schema", name="train", node=TrainConfig)
-    cs.store(group="schema", name="model", node=ModelConfig)
+    # stored without a group, so `attnzoo-train --help` lists only the real config groups
+    cs.store(name="attnzoo_train_schema", node=TrainConfig)
+    cs.store(name="attnzoo_model_schema", node=ModelConfig)
 
 
 _store_schemas()
@@ -254,8 +266,18 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     # the encoder-decoder's gqa attention), so mha / mqa / recurrent models are not refused for a field they ignore
     check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
     check_choice(cfg.init, "model.init", ("gpt2", "pytorch"))
-    check_choice(cfg.position.name, "model.position.name", ("rope", "sinusoidal", "learned", "none"))
+    check_choice(cfg.position.name, "model.position.name", ("rope", "alibi", "sinusoidal", "learned", "none"))
     check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
+    check_choice(cfg.position.scaling, "model.position.scaling", ROPE_SCALINGS)
+    check(cfg.position.factor > 0, "model.position.factor", f"must be > 0 (target / original length), got {cfg.position.factor}")
+    check(cfg.position.original_max_len is None or cfg.position.original_max_len > 0, "model.position.original_max_len",
+          f"must be positive or null (model.max_seq_len), got {cfg.position.original_max_len}")
+    if cfg.position.scaling == "llama3":
+        check(cfg.position.high_freq_factor > cfg.position.low_freq_factor, "model.position.high_freq_factor",
+              f"must exceed low_freq_factor={cfg.position.low_freq_factor}, got {cfg.position.high_freq_factor}")
+    if cfg.position.scaling != "none":
+        check(cfg.position.name == "rope", "model.position.scaling", f"applies to rope only; allowed with "
+              f"position {cfg.position.name}: none")
     check_choice(cfg.norm.name, "model.norm.name", ("rmsnorm", "layernorm"))
     check(0.0 <= cfg.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {cfg.dropout}")
     if cfg.vocab_size is not None:

@@ -1,4 +1,5 @@
-"""A CSV logger whose `metrics.csv` survives a resume.
+"""The run's file loggers: a CSV logger whose `metrics.csv` survives a resume, and a TensorBoard logger
+that fills the HParams tab and writes one event file per run.
 
 Lightning's CSVLogger deletes an existing metrics file when it starts, so every resumed run lost the
 curve before the resume step (and the sweep report's curves started there). `ResumableCSVLogger` keeps
@@ -12,7 +13,7 @@ import os
 from typing import Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
@@ -50,3 +51,32 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuingWriter(self.log_dir, self._resume_step)
         return self._experiment
+
+
+# what the HParams tab lists per run (those present), as hparams/<name> so the single end-of-run points do
+# not sit among the training curves
+HPARAM_METRICS = ("val/acc", "val/loss", "val/ppl", "train/loss", "perf/tokens_per_sec", "perf/mfu",
+                  "cache/bytes_per_token", "cache/bytes_at_ctx", "params/total", "perf/decode_tokens_per_sec")
+
+
+class RunTensorBoardLogger(TensorBoardLogger):
+    """TensorBoard with the HParams tab filled: `log_final(flat_config, metrics, step)` writes the whole
+    flattened config as hyper-parameters and the final metrics (as `hparams/<name>`), so the runs of a sweep
+    can be sorted and filtered by any field. One event file per run: Lightning closes the writer at the end
+    of `fit`, and the final validation and the hparams would each open another; here `finalize` flushes and
+    `log_final` closes."""
+
+    def finalize(self, status: str) -> None:
+        if self._experiment is not None:
+            self._experiment.flush()
+        if status == "success":
+            self.save()
+
+    def log_final(self, flat_config: dict, metrics: dict, step: int) -> None:
+        final = {f"hparams/{k}": float(metrics[k]) for k in HPARAM_METRICS if k in metrics}
+        params = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat_config.items()}
+        self.log_hyperparams(params, metrics=final, step=step)
+        if self._experiment is not None:
+            self._experiment.flush()
+            self._experiment.close()
+        self.save()

@@ -37,6 +37,7 @@ MD_METRICS = ["val/acc", "val/loss", "val/ppl", "perf/tokens_per_sec", "cache/by
 # overrides that identify the sweep or the machinery, not the variant
 _FIXED_PREFIXES = ("+sweeps=", "sweeps=", "hydra.", "paths.", "debug=", "logger=", "trainer.accelerator", "trainer.devices")
 _LR_KEYS = ("optim.lr", "seed")
+_AXIS_KEYS = ("data.num_kv_pairs", "model.d_model")  # the axes / panels of the MQAR plots
 
 
 # ----------------------------------------------------------------------------- loading
@@ -109,6 +110,9 @@ def annotate(jobs: list[dict]) -> None:
         for o in j["overrides"]:
             values.setdefault(_ov_key(o), set()).add(o)
     varying = {k for k, v in values.items() if len(v) > 1 or sum(1 for j in jobs if any(_ov_key(o) == k for o in j["overrides"])) < len(jobs)}
+    keys = [k for k in varying if k not in _LR_KEYS and not any(o.startswith(_FIXED_PREFIXES) for o in values[k])]
+    # the colour of a series: the swept mixer if it varies, else the first other swept key (kv heads, window...)
+    color_key = "model/mixer" if "model/mixer" in keys else next((k for k in keys if k not in _AXIS_KEYS), None)
     for j in jobs:
         sweep_ov = [o for o in j["overrides"] if not o.startswith(_FIXED_PREFIXES)]
         label = [o for o in sweep_ov if _ov_key(o) in varying] or sweep_ov
@@ -116,6 +120,19 @@ def annotate(jobs: list[dict]) -> None:
         j["variant"] = " ".join(o for o in label if _ov_key(o) not in _LR_KEYS) or "all"
         j["mixer"] = mixer_name(j)
         j["lr"] = (j["config"].get("optim") or {}).get("lr")
+        var = [o for o in label if _ov_key(o) not in _LR_KEYS]
+        j["series"] = " ".join(_short(o) for o in var if _ov_key(o) == color_key) or j["mixer"]
+        j["facet"] = " ".join(_short(o) for o in var if _ov_key(o) != color_key) or "all"
+        # MQAR plots put pairs and width on their axes: a line is everything else that varies
+        j["line"] = " ".join(_short(o) for o in var if _ov_key(o) not in _AXIS_KEYS) or j["mixer"]
+
+
+def _short(o: str) -> str:
+    """'model/mixer=gqa' -> 'gqa'; 'model.n_kv_heads=2' -> 'n_kv_heads=2' (labels that fit a legend)."""
+    key, _, value = o.lstrip("+~").partition("=")
+    if "/" in key:
+        return value
+    return f"{key.rsplit('.', 1)[-1]}={value}"
 
 
 def mixer_name(job: dict) -> str:
@@ -183,8 +200,10 @@ def _raw(v: Any) -> str:
 def _fmt(v: Any) -> str:
     if v is None:
         return ""
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    if isinstance(v, float):  # counts (params, bytes, tokens/s) with thousands separators, rates to 4 digits
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     return str(v)
 
 
@@ -218,47 +237,90 @@ def _plt():
     return plt
 
 
-def plot_curves(best: list[dict], path: Path) -> bool:
-    keys = [k for k in ("train/loss", "val/loss", "val/acc") if any(k in j["curves"] for j in best)]
-    if not keys:
-        return False
+def _colors(names: list[str]) -> dict:
     plt = _plt()
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
-    for ax, k in zip(axes[0], keys):
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+
+def _facet_grid(facets: list[str], width: float = 4.2, height: float = 3.4):
+    """A grid of panels, one per facet (at most 4 columns), with room on the right for a shared legend."""
+    plt = _plt()
+    ncols = min(4, len(facets))
+    nrows = math.ceil(len(facets) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 1.8, height * nrows + 0.6), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[len(facets):]:
+        ax.set_visible(False)
+    return fig, flat[: len(facets)]
+
+
+def _shared_legend(fig, colors: dict, title: str) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=c, marker="o", label=n) for n, c in colors.items()]
+    fig.legend(handles=handles, loc="center right", title=title, fontsize=8, title_fontsize=8, frameon=False)
+
+
+def _sort_key(text: str):
+    """Facets and series in natural order ('N=4' before 'N=16')."""
+    import re
+
+    return [(0, float(t), "") if re.fullmatch(r"-?\d+(\.\d+)?", t) else (1, 0.0, t) for t in re.split(r"[=\s]+", text)]
+
+
+def plot_curves(best: list[dict], metric: str, path: Path) -> bool:
+    """The ranking metric vs step, best lr per variant: one panel per facet (the swept settings other than
+    the colour key), one colour per series (mixer, or the first other swept key), one shared legend."""
+    best = [j for j in best if j["curves"].get(metric)]
+    if not best:
+        return False
+    facets = sorted({j["facet"] for j in best}, key=_sort_key)
+    colors = _colors(sorted({j["series"] for j in best}, key=_sort_key))
+    fig, axes = _facet_grid(facets)
+    for ax, facet in zip(axes, facets):
         for j in best:
-            pts = j["curves"].get(k)
-            if pts:
-                ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 30 else None, label=j["variant"])
-        ax.set_xlabel("step")
-        ax.set_title(k)
+            if j["facet"] == facet:
+                pts = j["curves"][metric]
+                ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[j["series"]], lw=1.2,
+                        marker="." if len(pts) < 30 else None)
+        ax.set_title(facet, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    if len(best) <= 24:
-        axes[0][-1].legend(fontsize=6, loc="best")
-    fig.suptitle("curves per variant (best learning rate)")
-    fig.tight_layout()
+    _shared_legend(fig, colors, "series")
+    fig.suptitle(f"{metric} vs step (best learning rate per variant)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plt().close(fig)
     return True
 
 
 def plot_acc_vs_cache(best: list[dict], metric: str, path: Path) -> bool:
+    """The recall / memory trade-off: metric vs analytic cache bytes per token, one panel per facet,
+    colours per series (a legend instead of point labels, so nothing overlaps)."""
     pts = [j for j in best if _finite(j["metrics"].get(metric)) and _finite(j["metrics"].get("cache/bytes_per_token"))]
     if not pts:
         return False
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for j in pts:
-        x, y = j["metrics"]["cache/bytes_per_token"], j["metrics"][metric]
-        ax.scatter(x, y)
-        ax.annotate(j["variant"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache/bytes_per_token (analytic, batch 1)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} vs inference cache (best lr per variant)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    facets = sorted({j["facet"] for j in pts}, key=_sort_key)
+    colors = _colors(sorted({j["series"] for j in pts}, key=_sort_key))
+    fig, axes = _facet_grid(facets)
+    for ax, facet in zip(axes, facets):
+        for j in pts:
+            if j["facet"] == facet:
+                ax.scatter(j["metrics"]["cache/bytes_per_token"], j["metrics"][metric], color=colors[j["series"]], s=30)
+        ax.set_xscale("log")
+        ax.set_title(facet, fontsize=9)
+        ax.set_xlabel("cache/bytes_per_token", fontsize=8)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    _shared_legend(fig, colors, "series")
+    fig.suptitle(f"{metric} vs inference cache (best learning rate per variant)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plt().close(fig)
     return True
 
 
@@ -266,11 +328,17 @@ def plot_tokens_per_sec(best: list[dict], path: Path) -> bool:
     pts = [j for j in best if _finite(j["metrics"].get("perf/tokens_per_sec"))]
     if not pts:
         return False
+    pts.sort(key=lambda j: (_sort_key(j["facet"]), _sort_key(j["series"])))
+    colors = _colors(sorted({j["series"] for j in pts}, key=_sort_key))
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(pts) + 1.5))
-    ax.barh([j["variant"] for j in pts], [j["metrics"]["perf/tokens_per_sec"] for j in pts])
+    fig, ax = plt.subplots(figsize=(8, 0.24 * len(pts) + 1.6))
+    labels = [f"{j['series']} | {j['facet']}" if j["facet"] != "all" else j["series"] for j in pts]
+    ax.barh(range(len(pts)), [j["metrics"]["perf/tokens_per_sec"] for j in pts],
+            color=[colors[j["series"]] for j in pts])
+    ax.set_yticks(range(len(pts)), labels, fontsize=8)
+    ax.invert_yaxis()
     ax.set_xlabel("perf/tokens_per_sec (training)")
-    ax.tick_params(axis="y", labelsize=6)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -282,74 +350,82 @@ def _pairs(j: dict):
     return data.get("num_kv_pairs", (j["config"].get("data") or {}).get("num_kv_pairs"))
 
 
+def _mqar_jobs(jobs: list[dict], extra: str | None = None) -> list[dict]:
+    return [j for j in jobs if (j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok"
+            and _finite(j["metrics"].get("val/acc")) and _pairs(j) is not None
+            and (extra is None or _finite(j["metrics"].get(extra)))]
+
+
+def _width(j: dict):
+    return (j["summary"].get("model") or {}).get("d_model")
+
+
 def plot_mqar_difficulty(jobs: list[dict], path: Path) -> bool:
-    """Best val/acc (over every other swept setting, i.e. best-of-lr) vs pairs, a line per mixer, a panel per width."""
-    mq = [j for j in jobs if (j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok"
-          and _finite(j["metrics"].get("val/acc")) and _pairs(j) is not None]
+    """Best val/acc (over every other swept setting, i.e. best-of-lr) vs pairs, a line per series (mixer,
+    or e.g. n_kv_heads=2 in the kv_heads sweep), a panel per width, one shared legend."""
+    mq = _mqar_jobs(jobs)
     if not mq:
         return False
-    widths = sorted({(j["summary"].get("model") or {}).get("d_model") for j in mq}, key=lambda w: w or 0)
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4), squeeze=False, sharey=True)
-    for ax, w in zip(axes[0], widths):
+    widths = sorted({_width(j) for j in mq}, key=lambda w: w or 0)
+    colors = _colors(sorted({j["line"] for j in mq}, key=_sort_key))
+    fig, axes = _facet_grid([f"d_model={w}" for w in widths], width=4.6, height=3.8)
+    for ax, w in zip(axes, widths):
         best: dict[str, dict[int, float]] = {}
         for j in mq:
-            if (j["summary"].get("model") or {}).get("d_model") != w:
-                continue
-            n, acc = int(_pairs(j)), j["metrics"]["val/acc"]
-            best.setdefault(j["mixer"], {})
-            best[j["mixer"]][n] = max(acc, best[j["mixer"]].get(n, -1.0))
-        for mixer, by_n in sorted(best.items()):
+            if _width(j) == w:
+                by_n = best.setdefault(j["line"], {})
+                n = int(_pairs(j))
+                by_n[n] = max(j["metrics"]["val/acc"], by_n.get(n, -1.0))
+        for line, by_n in best.items():
             ns = sorted(by_n)
-            ax.plot(ns, [by_n[n] for n in ns], marker="o", label=mixer)
-        ax.set_xlabel("key-value pairs (N)")
-        ax.set_title(f"MQAR, d_model={w}")
+            ax.plot(ns, [by_n[n] for n in ns], marker="o", color=colors[line])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("key-value pairs (N)", fontsize=8)
+        ax.set_ylabel("val/acc (best lr)", fontsize=8)
+        ax.set_title(f"MQAR, d_model={w}", fontsize=9)
         ax.set_ylim(-0.02, 1.02)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("val/acc (best lr)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    _shared_legend(fig, colors, "series")
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plt().close(fig)
     return True
 
 
 def plot_recall_vs_state(jobs: list[dict], path: Path) -> bool:
     """Zoology's headline view (Arora et al. 2023, Fig. 2): MQAR accuracy vs the state a mixer holds at the
-    task's context (`cache/bytes_at_ctx`, measured by a real prefill), a line per mixer through its widths,
-    a panel per number of key-value pairs. Best learning rate per (mixer, N, d_model)."""
-    mq = [j for j in jobs if (j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok"
-          and _finite(j["metrics"].get("val/acc")) and _finite(j["metrics"].get("cache/bytes_at_ctx"))
-          and _pairs(j) is not None]
+    task's context (`cache/bytes_at_ctx`, measured by a real prefill), a line per series through its widths,
+    a panel per number of key-value pairs. Best learning rate per (series, N, d_model)."""
+    mq = _mqar_jobs(jobs, "cache/bytes_at_ctx")
     if not mq:
         return False
-    best: dict[tuple, dict] = {}  # (N, mixer, d_model) -> the best job
+    best: dict[tuple, dict] = {}  # (N, line, d_model) -> the best job
     for j in mq:
-        key = (int(_pairs(j)), j["mixer"], (j["summary"].get("model") or {}).get("d_model"))
+        key = (int(_pairs(j)), j["line"], _width(j))
         if key not in best or j["metrics"]["val/acc"] > best[key]["metrics"]["val/acc"]:
             best[key] = j
     ns = sorted({k[0] for k in best})
-    mixers = sorted({k[1] for k in best})
-    plt = _plt()
-    colors = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.5 * len(ns), 4.2), squeeze=False, sharey=True)
-    for ax, n in zip(axes[0], ns):
-        for i, mixer in enumerate(mixers):
+    colors = _colors(sorted({k[1] for k in best}, key=_sort_key))
+    fig, axes = _facet_grid([f"N={n}" for n in ns], width=4.4, height=3.8)
+    for ax, n in zip(axes, ns):
+        for line, color in colors.items():
             pts = sorted((j["metrics"]["cache/bytes_at_ctx"], j["metrics"]["val/acc"])
-                         for (kn, km, _), j in best.items() if kn == n and km == mixer)
+                         for (kn, kl, _), j in best.items() if kn == n and kl == line)
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colors(i % 10), label=mixer)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color)
         ax.set_xscale("log")
-        ax.set_xlabel("state size: cache/bytes_at_ctx (bytes)")
-        ax.set_title(f"MQAR, N={n} key-value pairs")
+        ax.set_xlabel("state size: cache/bytes_at_ctx (bytes)", fontsize=8)
+        ax.set_ylabel("val/acc (best lr)", fontsize=8)
+        ax.set_title(f"MQAR, N={n} key-value pairs", fontsize=9)
         ax.set_ylim(-0.02, 1.02)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("val/acc (best lr)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("recall vs state size (points: model widths)")
-    fig.tight_layout()
+    _shared_legend(fig, colors, "series")
+    fig.suptitle("recall vs state size (points: model widths)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plt().close(fig)
     return True
 
 
@@ -372,7 +448,7 @@ def build_report(root: str | Path) -> dict:
     plots_dir.mkdir(exist_ok=True)
     plots = {}
     for name, ok in [
-        ("curves.png", plot_curves(best, plots_dir / "curves.png")),
+        ("curves.png", plot_curves(best, metric, plots_dir / "curves.png")),
         ("acc_vs_cache.png", plot_acc_vs_cache(best, metric, plots_dir / "acc_vs_cache.png")),
         ("tokens_per_sec.png", plot_tokens_per_sec(best, plots_dir / "tokens_per_sec.png")),
         ("mqar_difficulty.png", plot_mqar_difficulty(jobs, plots_dir / "mqar_difficulty.png")),
@@ -408,19 +484,87 @@ def _sweep_command(root: Path) -> str:
         return ""
     sweep = next((o.split("=", 1)[1] for o in task if o.startswith(("+sweeps=", "sweeps="))), None)
     rest = [o for o in task if not o.startswith(("+sweeps=", "sweeps=", "hydra.searchpath"))]
+    rest.append(f"hydra.sweep.dir={root}")  # the rerun that skips finished jobs goes into the same dir
     return (f"attnzoo-sweep {sweep} " if sweep else "attnzoo-train -m ") + " ".join(rest)
 
 
-def _html_table(rows: list[dict], cols: list[str], best: bool) -> str:
+def _html_table(rows: list[dict], cols: list[str], best: bool, table_id: str) -> str:
     head = ["job", "variant" if best else "overrides", "mixer", "status"] + (["best lr", "lrs"] if best else []) + cols
-    out = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    out = [f"<input class='filter' data-table='{table_id}' placeholder='filter rows: any text, e.g. gqa or N=16'/>",
+           f"<table id='{table_id}'><thead><tr>" + "".join(f"<th title='click to sort'>{html.escape(h)}</th>" for h in head)
+           + "</tr></thead><tbody>"]
     for j in rows:
         cls = "" if j["status"] == "ok" else " class='failed'"
         cells = [j["job"], j["variant"] if best else j["label"], j["mixer"], j["status"]]
         cells += [_fmt(j["lr"]), str(j["n_lr"])] if best else []
+        vals = [None] * len(cells) + [j["metrics"].get(c) for c in cols]
         cells += [_fmt(j["metrics"].get(c)) for c in cols]
-        out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
-    return "\n".join(out + ["</table>"])
+        tds = "".join(f"<td{'' if v is None or not _finite(v) else f' data-v={v!r}'}>{html.escape(str(c))}</td>"
+                      for c, v in zip(cells, vals))
+        out.append(f"<tr{cls}>{tds}</tr>")
+    return "\n".join(out + ["</tbody></table>"])
+
+
+def _svg_scatter(best: list[dict], metric: str, width: int = 760, height: int = 440) -> str:
+    """An interactive (offline, no library) scatter of the ranking metric vs cache bytes per token: one
+    circle per variant, coloured by series; hover shows the job's overrides and metrics; the table filters
+    also dim the circles that do not match."""
+    pts = [j for j in best if _finite(j["metrics"].get(metric)) and _finite(j["metrics"].get("cache/bytes_per_token"))
+           and j["metrics"]["cache/bytes_per_token"] > 0]
+    if not pts:
+        return ""
+    from matplotlib.colors import to_hex
+
+    colors = {k: to_hex(v) for k, v in _colors(sorted({j["series"] for j in pts}, key=_sort_key)).items()}
+    xs = [math.log10(j["metrics"]["cache/bytes_per_token"]) for j in pts]
+    ys = [j["metrics"][metric] for j in pts]
+    x0, x1 = math.floor(min(xs)), math.ceil(max(xs)) if max(xs) > math.floor(min(xs)) else math.floor(min(xs)) + 1
+    y0, y1 = min(0.0, min(ys)), max(ys) * 1.05 if max(ys) > 0 else 1.0
+    L, R, T, B = 60, 170, 20, 45
+    sx = lambda x: L + (x - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
+    sy = lambda y: height - B - (y - y0) / ((y1 - y0) or 1) * (height - T - B)  # noqa: E731
+    parts = [f"<svg id='scatter' width='{width}' height='{height}' font-size='11' font-family='sans-serif'>",
+             f"<rect x='{L}' y='{T}' width='{width - L - R}' height='{height - T - B}' fill='none' stroke='#999'/>"]
+    for e in range(x0, x1 + 1):
+        parts.append(f"<line x1='{sx(e):.1f}' x2='{sx(e):.1f}' y1='{T}' y2='{height - B}' stroke='#eee'/>"
+                     f"<text x='{sx(e):.1f}' y='{height - B + 15}' text-anchor='middle'>1e{e}</text>")
+    for k in range(6):
+        y = y0 + (y1 - y0) * k / 5
+        parts.append(f"<line x1='{L}' x2='{width - R}' y1='{sy(y):.1f}' y2='{sy(y):.1f}' stroke='#eee'/>"
+                     f"<text x='{L - 6}' y='{sy(y) + 4:.1f}' text-anchor='end'>{y:.3g}</text>")
+    parts.append(f"<text x='{(L + width - R) / 2}' y='{height - 8}' text-anchor='middle'>cache/bytes_per_token (log)</text>"
+                 f"<text transform='translate(14,{(T + height - B) / 2}) rotate(-90)' text-anchor='middle'>{html.escape(metric)}</text>")
+    for j, x, y in zip(pts, xs, ys):
+        tip = "\n".join([f"job {j['job']}: {j['label']}"] + [f"{k} = {_fmt(v)}" for k, v in j["metrics"].items()
+                                                             if k in MD_METRICS or k == "cache/bytes_at_ctx"])
+        parts.append(f"<circle class='pt' data-text='{html.escape(j['label'] + ' ' + j['mixer'] + ' ' + j['job'])}' "
+                     f"cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='5' fill='{colors[j['series']]}' fill-opacity='0.8' "
+                     f"stroke='#333' stroke-width='0.5'><title>{html.escape(tip)}</title></circle>")
+    for i, (name, c) in enumerate(colors.items()):
+        yy = T + 8 + 15 * i
+        parts.append(f"<circle cx='{width - R + 14}' cy='{yy}' r='5' fill='{c}'/>"
+                     f"<text x='{width - R + 24}' y='{yy + 4}'>{html.escape(name)}</text>")
+    return "\n".join(parts + ["</svg>"])
+
+
+_JS = """
+document.querySelectorAll('input.filter').forEach(inp => inp.addEventListener('input', () => {
+  const q = inp.value.toLowerCase().split(/\\s+/).filter(Boolean);
+  const match = t => q.every(w => t.toLowerCase().includes(w));
+  document.querySelectorAll('#' + inp.dataset.table + ' tbody tr').forEach(tr => {
+    tr.style.display = match(tr.textContent) ? '' : 'none'; });
+  if (inp.dataset.table === 'best') document.querySelectorAll('circle.pt').forEach(c => {
+    c.style.opacity = match(c.dataset.text) ? 1 : 0.08; });
+}));
+document.querySelectorAll('th').forEach((th, i) => th.addEventListener('click', () => {
+  const body = th.closest('table').querySelector('tbody');
+  const asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
+  const key = tr => { const td = tr.children[i]; return td.dataset.v !== undefined ? parseFloat(td.dataset.v) : td.textContent; };
+  [...body.rows].sort((a, b) => { const x = key(a), y = key(b);
+    const r = (typeof x === 'number' && typeof y === 'number') ? x - y : String(x).localeCompare(String(y), undefined, {numeric: true});
+    return asc ? r : -r; }).forEach(tr => body.appendChild(tr));
+}));
+"""
 
 
 def _html(title, command, jobs, best, cols, plots, metric) -> str:
@@ -430,16 +574,22 @@ def _html(title, command, jobs, best, cols, plots, metric) -> str:
     )
     fails = "".join(f"<li>job {html.escape(j['job'])} ({html.escape(j['label'])}): {html.escape(j['error'])}</li>"
                     for j in jobs if j["status"] != "ok")
+    scatter = _svg_scatter(best, metric)
     return f"""<!doctype html><html><head><meta charset='utf-8'><title>attnzoo sweep {html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:12px}}
-td,th{{border:1px solid #ccc;padding:3px 6px}} tr.failed td{{background:#fdd}} img{{max-width:100%}}</style></head><body>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:3px 6px}} th{{cursor:pointer;background:#f4f4f4;position:sticky;top:0}}
+tr.failed td{{background:#fdd}} img{{max-width:100%}} input.filter{{width:30em;margin:6px 0;padding:3px}}
+td[data-v]{{text-align:right;font-variant-numeric:tabular-nums}}</style></head><body>
 <h1>Sweep report: {html.escape(title)}</h1>
 <p>Command: <code>{html.escape(command)}</code></p>
-<p>{len(jobs)} jobs; ranking metric <code>{html.escape(metric)}</code>.</p>
-<h2>Best learning rate per variant</h2>{_html_table(best, cols, True)}
-<h2>All jobs</h2>{_html_table(jobs, cols, False)}
+<p>{len(jobs)} jobs; ranking metric <code>{html.escape(metric)}</code>. Click a column header to sort; type in a
+filter box to keep matching rows (the scatter follows the first table's filter); hover a point for its job.</p>
+{f"<h2>{html.escape(metric)} vs cache (best learning rate per variant)</h2>{scatter}" if scatter else ""}
+<h2>Best learning rate per variant</h2>{_html_table(best, cols, True, "best")}
+<h2>All jobs</h2>{_html_table(jobs, cols, False, "all")}
 {f'<h2>Failed jobs</h2><ul>{fails}</ul>' if fails else ''}
 <h2>Plots</h2>{imgs}
+<script>{_JS}</script>
 </body></html>
 """
 

@@ -25,11 +25,23 @@ from .paths import CONF_DIR
 
 log = logging.getLogger("attnzoo")
 
+def run_label(max_len: int = 120) -> str:
+    """The job's own overrides as a name (`mixer=gqa,num_kv_pairs=8,lr=0.003`), '' outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return ""
+    keep = [o for o in task if not o.startswith(("hydra.", "paths.", "+sweeps=", "sweeps=", "ckpt_path=", "logger="))]
+    label = ",".join(o.lstrip("+~").split("/")[-1] if "/" in o.split("=", 1)[0] else o.lstrip("+~").split(".")[-1]
+                     for o in keep)
+    return label.replace("/", "-")[:max_len]
+
+
 def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int | None = None) -> list:
     """The configured loggers; `resume_step` (a resumed run's checkpoint step) continues csv/metrics.csv."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from .csv_logger import ResumableCSVLogger
+    from .csv_logger import ResumableCSVLogger, RunTensorBoardLogger
 
     loggers = []
     for name, opts in (logger_cfg or {}).items():
@@ -37,7 +49,9 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int
         if name == "csv":
             loggers.append(ResumableCSVLogger(save_dir=str(out), name="csv", version="", resume_step=resume_step))
         elif name == "tensorboard":
-            loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False))
+            # <run>/tensorboard/<overrides>: `tensorboard --logdir <sweep dir>` names each run by its overrides
+            loggers.append(RunTensorBoardLogger(save_dir=str(out), name="tensorboard", version=run_label(),
+                                                default_hp_metric=False))
         elif name == "wandb" and is_rank_zero():  # one wandb run per job, not one per rank
             from .wandb_logger import make_wandb_logger
 
@@ -340,9 +354,14 @@ def finish(trainer, out: Path, summary: dict, loggers: list) -> None:
     """Rank 0 writes summary.json, logs the end-of-run metrics, closes the loggers and prints the summary."""
     if not trainer.is_global_zero:
         return
+    from .csv_logger import RunTensorBoardLogger
+
     metrics = summary["metrics"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     for lg in loggers:
+        if isinstance(lg, RunTensorBoardLogger):  # the HParams tab: the flattened config and the final metrics
+            lg.log_final(flatten(summary["config"]), metrics, trainer.global_step)
+            continue
         lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
                        step=trainer.global_step)
         lg.finalize("success")
@@ -392,12 +411,12 @@ def _run_job(cfg: DictConfig) -> float | None:
             print(f"attnzoo: error: {e}", file=sys.stderr)
             sys.exit(2)
         _record_failure(cfg, e)
-        return None
+        return float("nan")  # a failed trial to a sweeper that optimizes (Optuna), ignored by the others
     except Exception as e:  # noqa: BLE001 - a failing sweep job must not take the others with it
         if not multirun:
             raise
         _record_failure(cfg, e)
-        return None
+        return float("nan")  # a failed trial to a sweeper that optimizes (Optuna), ignored by the others
     if metrics.get("status") == "preempted":
         # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
         sys.exit(0)
@@ -461,8 +480,8 @@ def check_unknown_keys(args: list[str]) -> str | None:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import ConfigCompositionException
 
-    if any(a in ("-m", "--multirun") for a in args) or any(a.startswith("hydra.searchpath") for a in args):
-        return None
+    if any(a.startswith("-") for a in args) or any(a.startswith("hydra.searchpath") for a in args):
+        return None  # multirun, --help, --cfg, shell completion (-sc install=bash): Hydra's own business
     overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
 
     def composed(ov):

@@ -35,9 +35,11 @@ def _job_identity() -> tuple[str | None, str | None]:
     name = ",".join(overrides) or hc.job.name
     group = None
     if hc.mode.name == "MULTIRUN":
-        # `attnzoo-sweep NAME` passes +sweeps=NAME: group by the sweep's name; else by its directory
+        # one group per sweep directory, prefixed by the sweep's name (`attnzoo-sweep NAME` passes +sweeps=NAME):
+        # a new sweep (a new dated dir) is a new group; rerunning into the same dir (resume) continues its group
         named = [o.split("=", 1)[1] for o in hc.overrides.task if o.startswith("+sweeps=")]
-        group = named[0] if named else Path(hc.sweep.dir).name
+        sweep_dir = Path(hc.sweep.dir).name
+        group = f"{named[0]}/{sweep_dir}" if named and not sweep_dir.startswith(named[0] + "/") else sweep_dir
     return group, name
 
 
@@ -82,6 +84,8 @@ def _build(opts, out, group, name, tags, offline):
         # an unreachable server costs at most init_timeout seconds (wandb's default is 90, retried)
         settings=wandb.Settings(silent=True, console="off", init_timeout=float(opts.get("init_timeout") or 30)),
     )
-    if offline:  # say once where the run went: nothing else on the console mentions it
-        print(f"attnzoo: wandb offline run in {run.dir} (upload later: wandb sync {Path(run.dir).parent})", flush=True)
+    # one line per run: where it went (nothing else on the console mentions it)
+    where = f"offline run in {run.dir} (upload later: wandb sync {Path(run.dir).parent})" if offline else \
+        f"online run {getattr(run, 'url', None) or run.id}"
+    print(f"attnzoo: wandb {where}; project {run.project}, group {run.group or '-'}, name {run.name}", flush=True)
     return WandbLogger(experiment=run, save_dir=str(out))

@@ -31,13 +31,18 @@ def add_arguments(p) -> None:
     p.add_argument("--mixers", nargs="+", default=["mha", "gqa", "mqa", "sliding_window", "mla", "local_global"])
 
 
+QUICK = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 4, "window": 32, "contexts": [64, 128],
+         "prefill_len": 128, "decode_steps": 8}
+
+
 def model_config(name: str, args) -> dict:
     cfg = {
         "d_model": args.d_model, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "n_layers": args.n_layers,
         "max_seq_len": max(args.contexts) + args.decode_steps + 8,
     }
-    if name == "local_global":  # conf/model/local_global.yaml: 3 windowed layers to 1 global
-        return {**cfg, "pattern": ["local", "local", "local", "global"],
+    if name == "local_global":  # conf/model/local_global.yaml: 3 windowed layers to 1 global (fewer layers: n-1 to 1)
+        pattern = ["local", "local", "local", "global"] if args.n_layers % 4 == 0 else ["local"] * (args.n_layers - 1) + ["global"]
+        return {**cfg, "pattern": pattern if args.n_layers > 1 else ["global"],
                 "mixers": {"local": {"name": "sliding_window", "window": args.window}, "global": {"name": "gqa"}}}
     mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
     return {**cfg, "mixer": mixer}

@@ -72,10 +72,21 @@ def main(argv: list[str] | None = None) -> None:
     for name, mod in sorted(mods.items()):
         p = sub.add_parser(name, help=getattr(mod, "HELP", ""))
         mod.add_arguments(p)
+        if hasattr(mod, "QUICK"):  # modules without their own --quick: a dict of tiny argument values
+            p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds): " +
+                           " ".join(f"--{k.replace('_', '-')} {v}" for k, v in mod.QUICK.items()))
     args = parser.parse_args(argv)
+    if getattr(args, "quick", False) and hasattr(mods[args.cmd], "QUICK"):
+        for k, v in mods[args.cmd].QUICK.items():
+            setattr(args, k, v)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = mods[args.cmd].run(args)
+    from ..errors import ConfigError
+
+    try:
+        result = mods[args.cmd].run(args)
+    except (ConfigError, ValueError) as e:  # a bad combination of flags: one line, not a traceback
+        parser.exit(2, f"attnzoo-bench {args.cmd}: error: {str(e).splitlines()[0]}\n")
     js, md = write_result(args.cmd, result, args.out, argv)
     print(md.read_text())
     print(f"wrote {js} and {md}")

@@ -17,6 +17,10 @@ from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent
 HELP = "gated delta rule: chunkwise vs recurrent vs transformers' torch_chunk_gated_delta_rule (tokens/s)"
 
 
+QUICK = {"lengths": [64, 128], "heads": 2, "head_dim": 16, "chunk_size": 32, "num_threads": 1, "min_time": 0.02,
+         "recurrent_max_len": 128}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--heads", type=int, default=4)

@@ -11,6 +11,10 @@ from .common import time_fn
 HELP = "MoE layer fwd+bwd tokens/s vs same-active-size dense SwiGLU vs the dense mask reference"
 
 
+QUICK = {"experts": [4, 8], "top_k": [1, 2], "d_model": 32, "hidden": 32, "tokens": 128, "min_time": 0.02,
+         "repeats": 1}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--experts", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2, 4])

@@ -23,9 +23,9 @@ from torch import nn
 
 from ..cache import LayerCache
 from ..errors import ConfigError
-from ..ops.attention import attention_mask, attention_reference, attention_sdpa
+from ..ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
 from ..ops.sliding_window import sliding_window_sdpa
-from ..position import RotaryEmbedding
+from ..position import rotary_from_config
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
 
@@ -139,6 +139,9 @@ class AttentionConfig:
                 field=f"{field}.n_kv_heads" if self.n_kv_heads else "model.n_kv_heads",
             )
         validate_conv(self, field)
+        if model.position.name == "alibi" and (getattr(self, "window", None) is not None):
+            raise ConfigError("alibi is implemented for mha / gqa / mqa (the sliding-window ring keeps keys in slot "
+                              "order); allowed positions here: rope, none, sinusoidal, learned", field="model.position.name")
 
 
 class Attention(Mixer):
@@ -156,7 +159,9 @@ class Attention(Mixer):
         self.qkv = nn.Linear(self.d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # fused [q | k | v]
         self.o_proj = nn.Linear(q_dim, self.d_model, bias=cfg.out_bias)
         pos = model_cfg.position
-        self.rope = RotaryEmbedding(self.head_dim, pos.theta, pos.rotary_fraction) if pos.name == "rope" else None
+        self.rope = rotary_from_config(pos, self.head_dim, model_cfg.max_seq_len)
+        # ALiBi (Press et al. 2022): a per-head linear distance penalty on the scores instead of any embedding
+        self.register_buffer("alibi", alibi_slopes(self.n_heads) if pos.name == "alibi" else None, persistent=False)
         self.build_input_conv(cfg.conv_size, cfg.conv_bias)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -175,11 +180,17 @@ class Attention(Mixer):
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         """q (B,H,Tq,D) at absolute offset `q_offset` relative to the first key in k/v."""
+        bias = None
+        if self.alibi is not None:
+            bias = alibi_bias(self.alibi, q.shape[2], k.shape[2], causal=self.causal, q_offset=q_offset, dtype=q.dtype)
         if self.impl == "reference":
             mask = attention_mask(
                 q.shape[2], k.shape[2], causal=self.causal, window=self.window, device=q.device, q_offset=q_offset
             )
-            return attention_reference(q, k, v, mask=mask, scale=self.scale)
+            return attention_reference(q, k, v, mask=mask, scale=self.scale, bias=bias)
+        if bias is not None:  # the full (H, Tq, Tk) score bias: SDPA with a float mask, decode included
+            return attention_sdpa(q, k, v, causal=self.causal, scale=self.scale, bias=bias,
+                                  dropout_p=self.dropout if self.training else 0.0)
         if q.shape[2] == 1 and (self.window is None or k.shape[2] <= self.window):
             # one new token: every held key is visible
             return decode_sdpa(q, k, v, scale=self.scale, dropout_p=self.dropout if self.training else 0.0)

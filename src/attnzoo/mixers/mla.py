@@ -31,7 +31,7 @@ from ..cache import LayerCache
 from ..errors import ConfigError, check_choice
 from ..norm import RMSNorm
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
-from ..position import RotaryEmbedding
+from ..position import rotary_from_config
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
 
@@ -99,6 +99,9 @@ class MLAConfig:
 
     def validate(self, model, field: str) -> None:
         check_choice(self.absorb, f"{field}.absorb", ("decode", "always", "never"))
+        if model.position.name == "alibi":
+            raise ConfigError("MLA's position is its decoupled RoPE key; allowed positions: rope, none",
+                              field="model.position.name")
         for key, value in self.sizes(model).items():
             if value is not None and value <= 0:
                 raise ConfigError(f"must be positive or null, got {value}", field=f"{field}.{key}")
@@ -133,7 +136,7 @@ class MLA(Mixer):
         pos = model_cfg.position
         # the decoupled key is the only place position enters, so it rotates fully (rotary_fraction is for
         # ordinary heads); without RoPE in the model it is just a shared, position-free key part
-        self.rope = RotaryEmbedding(self.dr, pos.theta) if pos.name == "rope" else None
+        self.rope = rotary_from_config(pos, self.dr, model_cfg.max_seq_len, rotary_fraction=1.0)
         self.build_input_conv(cfg.conv_size, cfg.conv_bias)
 
     # ------------------------------------------------------------------ projections

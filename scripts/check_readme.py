@@ -1,0 +1,147 @@
+"""Run every command of the README's ```bash blocks in smoke form (tests/test_docs.py runs this in CI).
+
+- `attnzoo-train ...`, `attnzoo-sweep ...`, `attnzoo-report ...`, `attnzoo-bench ...`: run for real, with
+  `debug=smoke` and 2 steps (bench: `--quick`), outputs in a temp dir; a sweep's grid is cut to its first
+  point (the grid keys given again on the command line replace the file's lists); `~` is a temp home with
+  a small text corpus in `~/my_corpus/`; wandb is offline.
+- commands that need hardware this machine may lack (`trainer=gpu|ddp`, SLURM, `torchrun`/`srun` on
+  several nodes): the config is composed and validated exactly as `attnzoo-train` would before starting
+  (every value checked), but nothing is launched.
+- `bash scripts/setup.sh && X`: X (setup is what CI has just done); the test command itself is not rerun.
+
+    .venv/bin/python scripts/check_readme.py [README.md]
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HARDWARE = ("trainer=gpu", "trainer=ddp ", "hydra/launcher=slurm")
+SMOKE = ["debug=smoke", "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.decode_tokens=2",
+         "sample.max_new_tokens=4"]
+
+
+def commands(readme: Path) -> list[str]:
+    out, block = [], False
+    lines = readme.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            block = line.strip() == "```bash" and not block
+            i += 1
+            continue
+        if block and line.strip() and not line.lstrip().startswith("#"):
+            cmd = line
+            while cmd.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+            out.append(cmd)
+        i += 1
+    return out
+
+
+def strip_comment(cmd: str) -> list[str]:
+    return shlex.split(cmd, comments=True)
+
+
+def sweep_first_point(name: str) -> list[str]:
+    import yaml
+
+    params = (yaml.safe_load((ROOT / "sweeps" / f"{name}.yaml").read_text()) or {}).get("hydra", {}) \
+        .get("sweeper", {}).get("params", {})
+    return [f"{k}={str(v).split(',')[0]}" for k, v in params.items()]
+
+
+def first_values(args: list[str]) -> list[str]:
+    """A multirun's first job: `a=x,y` -> `a=x` (lists in brackets are kept)."""
+    out = []
+    for a in args:
+        k, eq, v = a.partition("=")
+        out.append(f"{k}={v.split(',')[0]}" if eq and "," in v and not v.startswith("[") else a)
+    return out
+
+
+def config_check(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Compose and validate as `attnzoo-train` does before any work (no device check, nothing launched)."""
+    args = [a for a in first_values(args) if a not in ("-m", "--multirun") and not a.startswith("hydra")]
+    code = ("import sys; from attnzoo.api import load_config; from attnzoo.validation import validate; "
+            "from attnzoo.train import check_group_overrides; a = sys.argv[1:]; p = check_group_overrides(a); "
+            "sys.exit(p) if p else validate(load_config(a)); print('config ok')")
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, subprocess.CompletedProcess | None]:
+    if cmd.startswith("bash scripts/setup.sh && "):
+        cmd = cmd.split("&&", 1)[1].strip()
+    argv = strip_comment(cmd)
+    if argv[0].startswith(".venv/bin/"):
+        argv[0] = argv[0].removeprefix(".venv/bin/")
+    if argv[:3] == ["python", "-m", "pytest"]:
+        return "skipped: the test suite itself (it runs this check)", None
+    if argv[0] in ("torchrun", "srun"):
+        i = next(j for j, a in enumerate(argv) if a.endswith("attnzoo-train") or a == "attnzoo.train")
+        return "config checked (multi-node launcher)", config_check(argv[i + 1:], env)
+    tool, args = argv[0], argv[1:]
+    if tool == "attnzoo-train":
+        if any(h.strip() in args for h in HARDWARE) or any(a == "trainer=ddp" for a in args):
+            return "config checked (needs a GPU or SLURM)", config_check(args, env)
+        multirun = "-m" in args or "--multirun" in args
+        where = f"hydra.sweep.dir={tmp}/train{n}" if multirun else f"hydra.run.dir={tmp}/train{n}"
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.train", *args, *SMOKE, where],
+                                     env=env, capture_output=True, text=True, timeout=600)
+    if tool == "attnzoo-sweep":
+        name, rest = args[0], args[1:]
+        given = next((a.split("=", 1)[1] for a in rest if a.startswith("hydra.sweep.dir=")), None)
+        d = tmp / f"sweep{n}"
+        if given:
+            sweep_dirs[given] = d
+        rest = [a for a in rest if not a.startswith("hydra.sweep.dir=")]
+        return "ran (first grid point)", subprocess.run(
+            [sys.executable, "-m", "attnzoo.sweep", name, *rest, *sweep_first_point(name), *SMOKE, f"hydra.sweep.dir={d}"],
+            env=env, capture_output=True, text=True, timeout=600)
+    if tool == "attnzoo-report":
+        d = sweep_dirs.get(args[0])
+        if d is None:
+            return f"failed: {args[0]} is not a sweep dir made by an earlier README command", None
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.report", str(d)], env=env, capture_output=True,
+                                     text=True, timeout=300)
+    if tool == "attnzoo-bench":
+        return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),
+                                                *args, "--quick"], env=env, capture_output=True, text=True, timeout=600)
+    return f"failed: no smoke form for {tool!r}", None
+
+
+def main() -> None:
+    readme = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "README.md"
+    failed = 0
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        home = tmp / "home"
+        (home / "my_corpus").mkdir(parents=True)
+        (home / "my_corpus" / "a.txt").write_text((ROOT / "README.md").read_text() * 20)
+        env = {**os.environ, "HOME": str(home), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+               "ATTNZOO_CACHE": os.environ.get("ATTNZOO_CACHE", str(Path.home() / ".cache" / "attnzoo"))}
+        env.pop("WANDB_API_KEY", None)
+        sweep_dirs: dict = {}
+        for n, cmd in enumerate(commands(readme)):
+            t0 = time.time()
+            how, res = run(cmd, tmp, env, sweep_dirs, n)
+            ok = not how.startswith("failed") and (res is None or res.returncode == 0)
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {time.time() - t0:5.1f}s  {how:40s} {cmd.strip()}", flush=True)
+            if not ok and res is not None:
+                print("     " + (res.stdout[-1500:] + res.stderr[-1500:]).replace("\n", "\n     "))
+    print(f"{failed} failed" if failed else "every README command passed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
