@@ -95,6 +95,8 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
             return "config checked (needs a GPU or SLURM)", config_check(args, env)
         multirun = "-m" in args or "--multirun" in args
         where = f"hydra.sweep.dir={tmp}/train{n}" if multirun else f"hydra.run.dir={tmp}/train{n}"
+        if not multirun and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args):
+            sweep_dirs["<run>"] = tmp / f"train{n}"  # a decoder LM on text: what attnzoo-generate / -eval use
         return "ran", subprocess.run([sys.executable, "-m", "attnzoo.train", *args, *SMOKE, where],
                                      env=env, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-sweep":
@@ -113,6 +115,18 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
             return f"failed: {args[0]} is not a sweep dir made by an earlier README command", None
         return "ran", subprocess.run([sys.executable, "-m", "attnzoo.report", str(d)], env=env, capture_output=True,
                                      text=True, timeout=300)
+    if tool in ("attnzoo-generate", "attnzoo-eval"):
+        run_dir = sweep_dirs.get("<run>")
+        if run_dir is None:
+            return "failed: no earlier README training run to use", None
+        (tmp / "prompts.txt").write_text("def \nimport \n")
+        (tmp / "other_corpus.txt").write_text((ROOT / "README.md").read_text())
+        args = [str(run_dir) if "<run>" in a else str(tmp / a) if a in ("prompts.txt", "other_corpus.txt") else a
+                for a in args]
+        module = "generate_main" if tool == "attnzoo-generate" else "eval_main"
+        code = f"import sys; from attnzoo.inference import {module}; {module}(sys.argv[1:])"
+        return "ran", subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                                     timeout=600)
     if tool == "attnzoo-bench":
         return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),
                                                 *args, "--quick"], env=env, capture_output=True, text=True, timeout=600)

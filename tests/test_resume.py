@@ -116,3 +116,24 @@ def test_a_live_run_owns_its_dir_and_a_stale_lock_is_taken_over(tmp_path):
     with run_dir_lock(out):
         assert (out / LOCK_NAME).read_text().startswith(str(os.getpid()))
     assert not (out / LOCK_NAME).exists()
+
+
+def test_refused_run_keeps_the_run_dirs_hydra_record(tmp_path):
+    """A resume refused in one line must not rewrite <run>/.hydra (the report reads the job's overrides
+    there): Hydra's own writing is off (output_subdir: null) and attnzoo writes the record once accepted."""
+    run = tmp_path / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
+    first = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=4", *common], env=env,
+                           capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
+    assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"} and b"trainer.max_steps=4" in record["overrides.yaml"]
+    refused = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=8", "model/mixer=mla",
+                              "ckpt_path=last", *common], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "another model/data config" in refused.stderr
+    assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == record
+    accepted = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=8", "ckpt_path=last",
+                               *common], env=env, capture_output=True, text=True)
+    assert accepted.returncode == 0, accepted.stderr[-2000:]
+    assert b"trainer.max_steps=8" in (run / ".hydra" / "overrides.yaml").read_bytes()  # the accepted run's record

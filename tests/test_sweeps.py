@@ -260,3 +260,15 @@ def test_optuna_hparams_search_smoke(tmp_path):
     res = yaml.safe_load((d / "optimization_results.yaml").read_text())
     accs = [json.loads((d / j / "summary.json").read_text())["metrics"]["val/acc"] for j in ("0", "1")]
     assert res["best_value"] == pytest.approx(max(accs)) and "optim.lr" in res["best_params"]
+
+
+def test_long_context_smoke_sweep_evaluates_every_length(tmp_path):
+    d = tmp_path / "long"
+    rep = run_sweep("long_context", d, "model/position=rope_yarn,alibi", "eval.context_lengths=[64,128]",
+                    "eval.max_batches=2", "hydra/launcher=basic")
+    assert [j["status"] for j in rep["jobs"]] == ["ok", "ok"]
+    for j in rep["jobs"]:
+        m = j["metrics"]
+        assert {"val/loss@64", "val/loss@128", "cache/bytes_at_ctx@128"} <= set(m)
+        assert m["cache/bytes_at_ctx@128"] == 2 * m["cache/bytes_at_ctx@64"]  # GQA: linear in the context
+    assert (d / "plots" / "lengths.png").is_file()

@@ -27,6 +27,14 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> Di
         return compose(config_name=config_name, overrides=list(overrides) + ["paths.output_dir=."])
 
 
+def load(path, **kwargs):
+    """A trained run: `attnzoo.load(run_dir_or_ckpt)` -> LoadedRun(model, lit, config, datamodule, ...);
+    see attnzoo.inference (best=True for best.ckpt, device=...)."""
+    from .inference import load as _load
+
+    return _load(path, **kwargs)
+
+
 def build_model(cfg: Any = "default", vocab_size: int | None = None, overrides: Sequence[str] = ()):
     """A `DecoderLM` from a model config (DictConfig / dict / ModelConfig) or a preset name in conf/model/."""
     from .model import DecoderLM

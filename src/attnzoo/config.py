@@ -129,6 +129,12 @@ class PerfConfig:
 
 
 @dataclass
+class EvalConfig:
+    context_lengths: List[int] = field(default_factory=list)  # extra evaluation lengths (attnzoo.extrapolation)
+    max_batches: int = 8  # batches per length
+
+
+@dataclass
 class PathsConfig:
     output_dir: str = "outputs"
     cache_dir: str = "~/.cache/attnzoo"
@@ -152,6 +158,7 @@ class TrainConfig:
     callbacks: Any = None
     sample: SampleConfig = field(default_factory=SampleConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 

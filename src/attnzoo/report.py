@@ -345,6 +345,44 @@ def plot_tokens_per_sec(best: list[dict], path: Path) -> bool:
     return True
 
 
+def plot_lengths(best: list[dict], metric: str, path: Path) -> bool:
+    """Length extrapolation (eval.context_lengths): the metric at every evaluated length, the training
+    length included, a line per series, a panel per facet."""
+    import re
+
+    def points(j):
+        pts = {int(m.group(1)): v for k, v in j["metrics"].items()
+               if (m := re.fullmatch(re.escape(metric) + r"@(\d+)", k)) and _finite(v)}
+        L = (j["summary"].get("data") or {}).get("seq_len") or j["summary"].get("context_len")
+        if pts and L and _finite(j["metrics"].get(metric)):
+            pts[int(L)] = j["metrics"][metric]
+        return sorted(pts.items())
+
+    rows = [(j, points(j)) for j in best]
+    rows = [(j, p) for j, p in rows if len(p) > 1]
+    if not rows:
+        return False
+    facets = sorted({j["facet"] for j, _ in rows}, key=_sort_key)
+    colors = _colors(sorted({j["series"] for j, _ in rows}, key=_sort_key))
+    fig, axes = _facet_grid(facets)
+    for ax, facet in zip(axes, facets):
+        for j, pts in rows:
+            if j["facet"] == facet:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colors[j["series"]])
+        ax.set_xscale("log", base=2)
+        ax.set_title(facet, fontsize=9)
+        ax.set_xlabel("evaluation context length", fontsize=8)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    _shared_legend(fig, colors, "series")
+    fig.suptitle(f"{metric} vs context length (trained at data.seq_len)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return True
+
+
 def _pairs(j: dict):
     data = j["summary"].get("data") or {}
     return data.get("num_kv_pairs", (j["config"].get("data") or {}).get("num_kv_pairs"))
@@ -453,6 +491,7 @@ def build_report(root: str | Path) -> dict:
         ("tokens_per_sec.png", plot_tokens_per_sec(best, plots_dir / "tokens_per_sec.png")),
         ("mqar_difficulty.png", plot_mqar_difficulty(jobs, plots_dir / "mqar_difficulty.png")),
         ("recall_vs_state.png", plot_recall_vs_state(jobs, plots_dir / "recall_vs_state.png")),
+        ("lengths.png", plot_lengths(best, metric, plots_dir / "lengths.png")),
     ]:
         if ok:
             plots[name] = plots_dir / name

@@ -312,6 +312,10 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
     if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:
         metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
+    if run.eval.context_lengths and trainer.is_global_zero and family.decoder_only:
+        from .extrapolation import evaluate_lengths
+
+        metrics.update(evaluate_lengths(lit, dm, data_cfg, run.eval.context_lengths, run.eval.max_batches))
     return metrics
 
 

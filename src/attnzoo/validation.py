@@ -76,6 +76,25 @@ def _check_output_dir(path: str) -> None:
           f"(checkpoints, logs)")
 
 
+def _check_eval(ev, model: ModelConfig, data: Any) -> None:
+    lengths = list(ev.context_lengths or [])
+    check(all(isinstance(L, int) and L >= 2 for L in lengths), "eval.context_lengths",
+          f"got {lengths}; allowed: a list of lengths >= 2, e.g. [512, 1024]")
+    check(ev.max_batches >= 1, "eval.max_batches", f"must be >= 1, got {ev.max_batches}")
+    if lengths and family_of(model).name != "decoder":
+        raise ConfigError(f"length evaluation is for decoder LMs; allowed with model={model.name}: []",
+                          field="eval.context_lengths")
+    if model.position.name == "learned":
+        too_long = [L for L in lengths if L > model.max_seq_len]
+        check(not too_long, "eval.context_lengths", f"{too_long} exceed the learned position table "
+              f"(model.max_seq_len={model.max_seq_len}); allowed: <= {model.max_seq_len}, or another position")
+    pairs = getattr(data, "num_kv_pairs", None)
+    if pairs and lengths:
+        short = [L for L in lengths if L < 4 * pairs]
+        check(not short, "eval.context_lengths", f"{short} cannot hold {pairs} key-value pairs and their "
+              f"queries; allowed: >= {4 * pairs}")
+
+
 def validate(cfg: DictConfig) -> dict:
     """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -112,6 +131,7 @@ def validate(cfg: DictConfig) -> dict:
               f"(or raise model.max_seq_len)")
     check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
+    _check_eval(run.eval, model, data)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(
         run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")

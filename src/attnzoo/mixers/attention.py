@@ -64,11 +64,35 @@ class SlidingWindowCache(LayerCache):
     Keys are stored after RoPE, so a slot's position never needs to be known again.
     """
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, sinks: int = 0) -> None:
         self.window = window
+        self.sinks = sinks  # attention sinks (StreamingLLM): the first `sinks` tokens, kept beside the ring
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.sink_k: Optional[torch.Tensor] = None  # (B, Hkv, min(seen, sinks), D), after RoPE
+        self.sink_v: Optional[torch.Tensor] = None
         self.seen = 0  # tokens processed so far (the next absolute position)
+
+    def update_with_sinks(self, k: torch.Tensor, v: torch.Tensor):
+        """`update`, plus the sinks: returns (keys, values, absolute position of keys[0] or None when the keys
+        are in ring slot order, prefix keys, prefix values). The prefix holds the sink tokens that are not
+        among the returned keys (they left the window), so every query sees them."""
+        S, T, seen = self.sinks, k.shape[2], self.seen
+        if seen < S:  # the first S tokens are recorded once, as they arrive
+            take = min(S - seen, T)
+            new_k, new_v = k[:, :, :take].clone(), v[:, :, :take].clone()
+            self.sink_k = new_k if self.sink_k is None else torch.cat([self.sink_k, new_k], dim=2)
+            self.sink_v = new_v if self.sink_v is None else torch.cat([self.sink_v, new_v], dim=2)
+        if T == 1 and self.full:
+            key_start, first = None, seen + 1 - self.window  # the ring after the write: positions seen+1-W .. seen
+        else:
+            held = 0 if self.k is None else self.k.shape[2]
+            key_start = first = seen - held
+        n = max(0, min(first, S))
+        keys, values = self.update(k, v)
+        if n == 0:
+            return keys, values, key_start, None, None
+        return keys, values, key_start, self.sink_k[:, :, :n], self.sink_v[:, :, :n]
 
     @property
     def seq_len(self) -> int:
@@ -221,6 +245,27 @@ class Attention(Mixer):
         return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV
 
 
+def sink_window_attention(q, k, v, *, q_start: int, key_start: Optional[int], window: int, sinks: int,
+                          prefix_k=None, prefix_v=None, scale=None, reference: bool = False, dropout_p: float = 0.0):
+    """Sliding window with attention sinks. q (B, H, Tq, D) at absolute positions q_start.., k/v (B, Hkv,
+    Tk, D) at key_start.. (None: a ring in slot order, every key inside the window: one-token decode);
+    prefix keys (sinks that left the window) are visible to every query. One masked SDPA call (O(Tq x Tk)
+    scores: the blocked band of sliding_window_sdpa is not used with sinks)."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if key_start is None:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+    else:
+        qi = q_start + torch.arange(Tq, device=q.device)[:, None]
+        kj = key_start + torch.arange(Tk, device=q.device)[None, :]
+        mask = (kj <= qi) & ((kj > qi - window) | (kj < sinks))
+    if prefix_k is not None:
+        mask = torch.cat([torch.ones(Tq, prefix_k.shape[2], dtype=torch.bool, device=q.device), mask], dim=1)
+        k, v = torch.cat([prefix_k.to(k.dtype), k], dim=2), torch.cat([prefix_v.to(v.dtype), v], dim=2)
+    if reference:
+        return attention_reference(q, k, v, mask=mask, scale=scale)
+    return attention_sdpa(q, k, v, causal=False, scale=scale, dropout_p=dropout_p, mask=mask)
+
+
 def decode_sdpa(q, k, v, *, scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """One query per head over every held key, no mask: q (B, H, 1, D), k/v (B, Hkv, Tk, D) -> (B, H, 1, D).
 
@@ -242,11 +287,14 @@ for _name in ("mha", "gqa", "mqa"):
 class SlidingWindowConfig(AttentionConfig):
     name: str = "sliding_window"
     window: int = 128  # W: query t sees keys t-W+1 .. t (W keys including itself); Mistral 7B uses 4096
+    sink_tokens: int = 0  # StreamingLLM attention sinks: the first k tokens stay visible to every query
 
     def validate(self, model, field: str) -> None:
         super().validate(model, field)
         if self.window < 1:
             raise ConfigError(f"must be >= 1, got {self.window}", field=f"{field}.window")
+        if self.sink_tokens < 0:
+            raise ConfigError(f"must be >= 0 (0 = none), got {self.sink_tokens}", field=f"{field}.sink_tokens")
         if not self.causal:
             raise ConfigError("sliding_window is causal only; allowed: true", field=f"{field}.causal")
 
@@ -259,6 +307,24 @@ class SlidingWindowAttention(Attention):
     def __init__(self, cfg: SlidingWindowConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.window = cfg.window
+        self.sinks = cfg.sink_tokens
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[SlidingWindowCache] = None):
+        if not self.sinks:
+            return super().forward(x, positions=positions, cache=cache)
+        # with attention sinks (Xiao et al. 2023, StreamingLLM): key j is visible to query i when
+        # i - W < j <= i (the window) or j < sinks (a sink); the cache keeps the sinks beside the ring
+        B, T, _ = x.shape
+        q, k, v = self.project(self.shift(x, cache), positions)
+        q_start = int(positions.reshape(-1)[0]) if positions.numel() else 0
+        pk = pv = None
+        key_start = q_start
+        if cache is not None:
+            k, v, key_start, pk, pv = cache.update_with_sinks(k, v)
+        y = sink_window_attention(q, k, v, q_start=q_start, key_start=key_start, window=self.window, sinks=self.sinks,
+                                  prefix_k=pk, prefix_v=pv, scale=self.scale, reference=self.impl == "reference",
+                                  dropout_p=self.dropout if self.training else 0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         if self.impl == "reference" or (q.shape[2] == 1 and k.shape[2] <= self.window):
@@ -268,7 +334,16 @@ class SlidingWindowAttention(Attention):
         return sliding_window_sdpa(q, k, v, window=self.window, scale=self.scale, dropout_p=dropout_p)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> SlidingWindowCache:
-        return SlidingWindowCache(self.window)
+        return SlidingWindowCache(self.window, self.sinks)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        return super().cache_bytes(min(context_len, self.window), batch, dtype)  # ring + conv tail
+        # ring (at most W tokens) + the sink copies (at most `sinks` tokens) + conv tail: flat in the context
+        return super().cache_bytes(min(context_len, self.window) + min(context_len, self.sinks), batch, dtype)
+
+    def flops_per_token(self, context_len: int) -> float:
+        flops = super().flops_per_token(context_len)
+        if self.sinks:  # sink keys outside the window: min(sinks, t - W) at position t, averaged over 1..L
+            L, W, S = context_len, self.window, self.sinks
+            extra = sum(min(S, max(0, t - W)) for t in range(1, L + 1)) / L
+            flops += 2.0 * 2 * self.n_heads * self.head_dim * extra
+        return flops

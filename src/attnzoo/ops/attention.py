@@ -91,6 +91,7 @@ def attention_sdpa(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fast path through `F.scaled_dot_product_attention`. Queries are the last Tq of the Tk keys.
     `bias` (H, Tq, Tk): additive scores (ALiBi, with -inf for masked keys) used as SDPA's float mask."""
@@ -102,6 +103,8 @@ def attention_sdpa(
         v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(v.shape[0], -1, Tk, v.shape[-1])
     if bias is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale, dropout_p=dropout_p)
+    if mask is not None:  # an explicit boolean (Tq, Tk) visibility mask (sliding window with sinks)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
     if window is None and causal and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
     if window is None and (not causal or Tq == 1):

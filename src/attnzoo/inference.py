@@ -1,0 +1,253 @@
+"""Use what you trained: `attnzoo.load`, `attnzoo-generate` and `attnzoo-eval`.
+
+    import attnzoo
+    run = attnzoo.load("outputs/train/2026-12-01_10-00-00")     # a run dir (its last.ckpt) or a .ckpt
+    run.model, run.config, run.encode("def f("), run.decode([...])
+
+    attnzoo-generate RUN_DIR "def fib(n):" --max-new-tokens 64 --temperature 0.8 --top-k 40
+    attnzoo-generate RUN_DIR --prompts prompts.txt               # one prompt per line, one completion each
+    attnzoo-eval RUN_DIR                                         # val loss / ppl (/ acc) on the run's data
+    attnzoo-eval RUN_DIR --text other.txt --context-lengths 512 1024 --out eval.json
+
+Checkpoints are read with `torch.load(weights_only=True)`; a missing, corrupt or mismatched checkpoint
+(weights that do not fit the config it carries) is refused in one line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass
+class LoadedRun:
+    model: torch.nn.Module  # eval mode, on `device`
+    lit: Any  # the LightningModule (loss / accuracy as in training)
+    config: dict  # the run's resolved config (as saved in the checkpoint)
+    datamodule: Any  # the run's data module, set up (its tokenizer for text)
+    checkpoint: Path
+    global_step: int
+
+    @property
+    def encode(self) -> Callable[[str], list]:
+        if hasattr(self.datamodule, "encode"):
+            return self.datamodule.encode
+        return lambda s: [int(t) for t in s.split()]  # synthetic tasks: prompts are token ids
+
+    @property
+    def decode(self) -> Callable[[list], str]:
+        if hasattr(self.datamodule, "decode"):
+            return self.datamodule.decode
+        return lambda ids: " ".join(map(str, ids))
+
+
+def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
+        if not ck.is_file():
+            raise ConfigError(f"{p} has no checkpoints/{ck.name}; allowed: a run dir with one, or a .ckpt file",
+                              field="checkpoint")
+        return ck
+    if not p.exists():
+        raise ConfigError(f"{p} does not exist; allowed: a run dir or a .ckpt file", field="checkpoint")
+    return p
+
+
+def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir: Optional[str] = None) -> LoadedRun:
+    """The model of a run dir (its last.ckpt, or best.ckpt) or of a .ckpt, with its data module and config."""
+    from .checkpoint import check_checkpoint
+    from .config import resolve_model, tagged
+    from .data import DATAMODULES, build_datamodule
+    from .families import family_of
+
+    ckpt_path = resolve_checkpoint(path, best)
+    state = check_checkpoint(ckpt_path, field="checkpoint")
+    hp = state.get("hyper_parameters") or {}
+    cfg = hp.get("cfg")
+    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
+        raise ConfigError(f"{ckpt_path} carries no attnzoo run config (hyper_parameters.cfg)", field="checkpoint")
+    data_cfg = tagged(DATAMODULES, cfg["data"], "data", default_name="text")
+    cache = cache_dir or (cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo"
+    dm = build_datamodule(data_cfg, cache_dir=cache, seed=cfg.get("seed", 0))
+    dm.setup("validate")
+    family = family_of(cfg["model"])
+    lit = family.build_lit(cfg, resolve_model(cfg["model"], vocab_size=dm.vocab_size), dm)
+    try:
+        lit.load_state_dict(state["state_dict"], strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"{ckpt_path}: the weights do not fit the config it carries ({first[1].strip()[:160] if len(first) > 1 else first[0][:160]})",
+                          field="checkpoint") from None
+    lit.to(device).eval()
+    return LoadedRun(lit.model, lit, cfg, dm, ckpt_path, int(state["global_step"]))
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+@torch.no_grad()
+def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
+           top_p: Optional[float], seed: int, write: Callable[[str], Any]) -> str:
+    """Sample a completion token by token from the cache, writing each decoded piece as it comes."""
+    from .model import sample_next
+
+    model = run.model
+    ids = run.encode(prompt)
+    if not ids:
+        raise ConfigError("the prompt encodes to no tokens", field="prompt")
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    cache = model.new_cache(1, len(ids) + max_new_tokens, model.embed.weight.dtype)
+    logits = model(x, cache=cache)[:, -1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out: list = []
+    shown = ""
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, g)
+        out.append(int(nxt))
+        text = run.decode(out)
+        if text.startswith(shown):  # byte-level BPE: print only once a piece decodes to whole characters
+            write(text[len(shown):])
+            shown = text
+        logits = model(nxt, cache=cache)[:, -1]
+    rest = run.decode(out)
+    if rest != shown and rest.startswith(shown):
+        write(rest[len(shown):])
+    return rest
+
+
+def generate_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-generate", description="Sample from a trained run (decoder LMs).")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
+    ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    try:
+        if (args.prompt is None) == (args.prompts is None):
+            raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
+        if args.prompts is not None and not args.prompts.is_file():
+            raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
+        run = load(args.run, best=args.best, device=args.device)
+        from .families import family_of
+
+        if not family_of(run.config["model"]).decoder_only:
+            raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
+                              field="checkpoint")
+        prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+        for i, prompt in enumerate(prompts):
+            if len(prompts) > 1:
+                print(f"--- prompt {i + 1}: {prompt!r}", flush=True)
+            print(prompt, end="", flush=True)
+            stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
+                   lambda s: print(s, end="", flush=True))
+            print(flush=True)
+    except ConfigError as e:
+        print(f"attnzoo-generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+@torch.no_grad()
+def evaluate(run: LoadedRun, loader, max_batches: Optional[int] = None) -> dict:
+    total = count = correct = 0.0
+    has_mask = False
+    dev = run.lit.device
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = [b.to(dev).long() if b.dtype != torch.bool else b.to(dev) for b in batch]
+        _, t, c, logits = run.lit._loss(batch, return_logits=True)
+        ok = logits.argmax(-1) == batch[1]
+        if len(batch) > 2:
+            has_mask = True
+            ok = ok & batch[2]
+        total, count, correct = total + float(t), count + float(c), correct + float(ok.sum())
+    loss = total / max(count, 1.0)
+    out = {"val/loss": loss, "val/ppl": float(torch.exp(torch.tensor(min(loss, 50.0)))), "tokens": count}
+    if has_mask:
+        out["val/acc"] = correct / max(count, 1.0)
+    return out
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
+    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths")
+    ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    try:
+        run = load(args.run, best=args.best, device=args.device)
+        from .families import family_of
+
+        family = family_of(run.config["model"])
+        if args.text is not None:
+            if not hasattr(run.datamodule, "encode"):
+                raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
+                                  f"text run", field="--text")
+            from torch.utils.data import DataLoader
+
+            from .data.corpus import load_corpus
+            from .data.text import Blocks
+
+            text, _ = load_corpus(str(args.text), None)
+            ids = torch.tensor(run.encode(text), dtype=torch.int32)
+            seq = run.config["data"]["seq_len"]
+            blocks = Blocks(ids, seq)
+            if len(blocks) == 0:
+                raise ConfigError(f"{args.text} holds {len(ids)} tokens, fewer than one {seq}-token block", field="--text")
+            loader = DataLoader(blocks, batch_size=run.config["data"].get("batch_size", 8))
+            source = str(args.text)
+        else:
+            loader = run.datamodule.val_dataloader()
+            source = f"the run's validation split (data={run.config['data'].get('name')})"
+        if family.name == "decoder":
+            metrics = evaluate(run, loader, args.max_batches)
+        else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
+            import lightning as L
+
+            res = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", logger=False,
+                            enable_progress_bar=False, limit_val_batches=args.max_batches or 1.0).validate(
+                run.lit, dataloaders=loader, verbose=False)
+            metrics = {k: float(v) for k, v in res[0].items()}
+        if args.context_lengths:
+            if family.name != "decoder":
+                raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
+            from .extrapolation import evaluate_lengths
+            from .config import tagged
+            from .data import DATAMODULES
+
+            data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
+            metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
+        result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source, "metrics": metrics}
+        out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
+                           else run.checkpoint.with_suffix(".eval.json"))
+        out.write_text(json.dumps(result, indent=2))
+        for k, v in metrics.items():
+            print(f"{k:28s} {v:.6g}")
+        print(f"wrote {out}")
+    except ConfigError as e:
+        print(f"attnzoo-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
