@@ -92,6 +92,7 @@ def _cases(tmp):
         ("deltanet activation", ["model/mixer=deltanet", "model.mixer.qkv_activation=relu"], "model.layers[0].mixer.qkv_activation", "allowed: silu, none"),
         ("linear feature map", ["model/mixer=linear_attention", "model.mixer.feature_map=nosuch"], "model.layers[0].mixer.feature_map", "allowed:"),
         ("linear chunk 0", ["model/mixer=linear_attention", "model.mixer.chunk_size=0"], "model.layers[0].mixer.chunk_size", ">= 1"),
+        ("negative sinks", ["model/mixer=sliding_window", "model.mixer.sink_tokens=-1"], "model.layers[0].mixer.sink_tokens", ">= 0"),
         ("bidirectional window", ["model/mixer=sliding_window", "model.mixer.causal=false"], "model.layers[0].mixer.causal", "causal only"),
         ("zero d_ff", ["model.ffn.d_ff=0"], "model.ffn.d_ff", "must be positive"),
         ("mlp activation", ["model/ffn=mlp", "model.ffn.activation=tanh"], "model.ffn.activation", "allowed: gelu, relu"),

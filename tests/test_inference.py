@@ -62,7 +62,7 @@ def test_eval_writes_json_with_lengths_and_other_text(text_run, tmp_path):
 def test_eval_of_a_synthetic_run_reports_accuracy(tmp_path):
     out = tmp_path / "mq"
     metrics = train(compose_cfg(["experiment=mqar", "debug=smoke", "trainer.max_steps=6"], out))
-    eval_main([str(out)])
+    eval_main([str(out), "--max-batches", "2"])  # debug=smoke validates on 2 batches
     res = json.loads((out / "eval.json").read_text())["metrics"]
     assert res["val/acc"] == pytest.approx(metrics["val/acc"], abs=1e-6)
 

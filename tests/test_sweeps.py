@@ -159,7 +159,8 @@ def test_wandb_offline_one_run_per_job_grouped_by_sweep(tmp_path, monkeypatch, c
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     d = tmp_path / "window_sweep"
-    run_sweep("window", d, "logger=wandb", "model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16")
+    run_sweep("window", d, "logger=wandb", "model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128", "data.val_size=16",
+              "hydra/launcher=basic")  # in this process, so the console lines are captured here
     out = capfd.readouterr().out
     assert out.count("attnzoo: wandb offline run in") == 2 and "group window/window_sweep" in out
     runs = sorted(d.glob("*/wandb/offline-run-*"))

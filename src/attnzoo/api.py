@@ -14,7 +14,11 @@ from omegaconf import DictConfig
 
 
 def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
-    """Compose conf/train.yaml with command-line style overrides (outside a Hydra run: no output dir)."""
+    """Compose conf/train.yaml with command-line style overrides, outside a Hydra run. The run directory is
+    `outputs/api/<date>_<time>` (as the CLI's `outputs/<task>/<date>_<time>`) unless `paths.output_dir=` is
+    given, so `attnzoo.train.train(cfg)` never writes checkpoints into the current directory itself."""
+    import time
+
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -23,8 +27,11 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> Di
     gh = GlobalHydra.instance()
     if gh.is_initialized():
         gh.clear()
+    overrides = list(overrides)
+    if not any(o.startswith("paths.output_dir=") for o in overrides):
+        overrides.append(f"paths.output_dir=outputs/api/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides) + ["paths.output_dir=."])
+        return compose(config_name=config_name, overrides=overrides)
 
 
 def load(path, **kwargs):

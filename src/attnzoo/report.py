@@ -237,6 +237,12 @@ def _plt():
     return plt
 
 
+def _no_labels():
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
+
+
 def _colors(names: list[str]) -> dict:
     plt = _plt()
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
@@ -311,6 +317,7 @@ def plot_acc_vs_cache(best: list[dict], metric: str, path: Path) -> bool:
             if j["facet"] == facet:
                 ax.scatter(j["metrics"]["cache/bytes_per_token"], j["metrics"][metric], color=colors[j["series"]], s=30)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(_no_labels())  # minor log ticks labelled "3x10^2 4x10^2" overlap
         ax.set_title(facet, fontsize=9)
         ax.set_xlabel("cache/bytes_per_token", fontsize=8)
         ax.set_ylabel(metric, fontsize=8)
@@ -453,6 +460,7 @@ def plot_recall_vs_state(jobs: list[dict], path: Path) -> bool:
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(_no_labels())
         ax.set_xlabel("state size: cache/bytes_at_ctx (bytes)", fontsize=8)
         ax.set_ylabel("val/acc (best lr)", fontsize=8)
         ax.set_title(f"MQAR, N={n} key-value pairs", fontsize=9)

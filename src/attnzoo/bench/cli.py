@@ -75,10 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(mod, "QUICK"):  # modules without their own --quick: a dict of tiny argument values
             p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds): " +
                            " ".join(f"--{k.replace('_', '-')} {v}" for k, v in mod.QUICK.items()))
+            if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
+                p.set_defaults(**mod.QUICK)
     args = parser.parse_args(argv)
-    if getattr(args, "quick", False) and hasattr(mods[args.cmd], "QUICK"):
-        for k, v in mods[args.cmd].QUICK.items():
-            setattr(args, k, v)
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..errors import ConfigError
