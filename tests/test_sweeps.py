@@ -273,3 +273,30 @@ def test_long_context_smoke_sweep_evaluates_every_length(tmp_path):
         assert {"val/loss@64", "val/loss@128", "cache/bytes_at_ctx@128"} <= set(m)
         assert m["cache/bytes_at_ctx@128"] == 2 * m["cache/bytes_at_ctx@64"]  # GQA: linear in the context
     assert (d / "plots" / "lengths.png").is_file()
+
+
+def test_tensorboard_hparams_list_the_sweeps_jobs(tmp_path):
+    """logger=tensorboard: one event file per job, under tensorboard/<the job's overrides>, holding the
+    HParams plugin's session (the whole flattened config) and the final metrics as hparams/<name>."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    d = tmp_path / "tb"
+    run_sweep("window", d, "logger=tensorboard", "model.mixer.window=8,64", "optim.lr=3e-3", "data.train_size=128",
+              "data.val_size=16", "hydra/launcher=basic")
+    for job, window in (("0", 8), ("1", 64)):
+        files = list((d / job / "tensorboard").rglob("events.out.tfevents.*"))
+        assert len(files) == 1, files
+        assert f"window={window}" in files[0].parent.name  # the run is named by its overrides
+        hparams, scalars = {}, set()
+        for event in EventFileLoader(str(files[0])).Load():
+            for v in event.summary.value:
+                if v.metadata.plugin_data.plugin_name == "hparams":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content)
+                    if data.HasField("session_start_info"):
+                        hparams = {k: val for k, val in data.session_start_info.hparams.items()}
+                else:
+                    scalars.add(v.tag)
+        assert hparams["model.mixer.window"].number_value == window and "optim.lr" in hparams
+        assert {"hparams/val/acc", "hparams/cache/bytes_per_token", "hparams/params/total"} <= scalars
+        assert "train/loss" in scalars and "val/acc" in scalars

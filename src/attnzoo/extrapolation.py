@@ -39,31 +39,37 @@ def loader_at(dm, data_cfg, length: int) -> DataLoader:
 
 
 @torch.no_grad()
-def evaluate_lengths(lit, dm, data_cfg, lengths, max_batches: int = 8) -> dict:
-    model = lit.model
-    was_training = model.training
-    model.eval()
-    out: dict = {}
+def evaluate_loader(lit, loader, max_batches: int | None = None) -> dict:
+    """val/loss, val/ppl (and val/acc when batches carry answer masks) of a decoder LM's LightningModule
+    over a loader, as its validation computes them; `tokens`: the positions counted."""
+    was_training = lit.model.training
+    lit.model.eval()
+    total = count = correct = 0.0
+    has_mask = False
     try:
-        for length in lengths:
-            total = count = correct = 0.0
-            has_mask = False
-            for i, batch in enumerate(loader_at(dm, data_cfg, int(length))):
-                if i >= max_batches:
-                    break
-                batch = [b.to(lit.device).long() if b.dtype != torch.bool else b.to(lit.device) for b in batch]
-                _, t, c, logits = lit._loss(batch, return_logits=True)
-                ok = logits.argmax(-1) == batch[1]
-                if len(batch) > 2:
-                    has_mask = True
-                    ok = ok & batch[2]
-                total, count, correct = total + float(t), count + float(c), correct + float(ok.sum())
-            loss = total / max(count, 1.0)
-            out[f"val/loss@{length}"] = loss
-            out[f"val/ppl@{length}"] = float(torch.exp(torch.tensor(min(loss, 50.0))))
-            if has_mask:
-                out[f"val/acc@{length}"] = correct / max(count, 1.0)
-            out[f"cache/bytes_at_ctx@{length}"] = float(model.cache_bytes(int(length)))
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = [b.to(lit.device).long() if b.dtype != torch.bool else b.to(lit.device) for b in batch]
+            _, t, c, logits = lit._loss(batch, return_logits=True)
+            ok = logits.argmax(-1) == batch[1]
+            if len(batch) > 2:
+                has_mask = True
+                ok = ok & batch[2]
+            total, count, correct = total + float(t), count + float(c), correct + float(ok.sum())
     finally:
-        model.train(was_training)
+        lit.model.train(was_training)
+    loss = total / max(count, 1.0)
+    out = {"val/loss": loss, "val/ppl": float(torch.exp(torch.tensor(min(loss, 50.0)))), "tokens": count}
+    if has_mask:
+        out["val/acc"] = correct / max(count, 1.0)
+    return out
+
+
+def evaluate_lengths(lit, dm, data_cfg, lengths, max_batches: int = 8) -> dict:
+    out: dict = {}
+    for length in lengths:
+        res = evaluate_loader(lit, loader_at(dm, data_cfg, int(length)), max_batches)
+        out.update({f"{k}@{length}": v for k, v in res.items() if k != "tokens"})
+        out[f"cache/bytes_at_ctx@{length}"] = float(lit.model.cache_bytes(int(length)))
     return out

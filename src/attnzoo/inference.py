@@ -166,26 +166,11 @@ def generate_main(argv: list[str] | None = None) -> None:
 # ----------------------------------------------------------------------------- eval
 
 
-@torch.no_grad()
 def evaluate(run: LoadedRun, loader, max_batches: Optional[int] = None) -> dict:
-    total = count = correct = 0.0
-    has_mask = False
-    dev = run.lit.device
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        batch = [b.to(dev).long() if b.dtype != torch.bool else b.to(dev) for b in batch]
-        _, t, c, logits = run.lit._loss(batch, return_logits=True)
-        ok = logits.argmax(-1) == batch[1]
-        if len(batch) > 2:
-            has_mask = True
-            ok = ok & batch[2]
-        total, count, correct = total + float(t), count + float(c), correct + float(ok.sum())
-    loss = total / max(count, 1.0)
-    out = {"val/loss": loss, "val/ppl": float(torch.exp(torch.tensor(min(loss, 50.0)))), "tokens": count}
-    if has_mask:
-        out["val/acc"] = correct / max(count, 1.0)
-    return out
+    """val/loss, val/ppl (/ val/acc) of a loaded decoder LM over a loader (attnzoo.extrapolation)."""
+    from .extrapolation import evaluate_loader
+
+    return evaluate_loader(run.lit, loader, max_batches)
 
 
 def eval_main(argv: list[str] | None = None) -> None:

@@ -275,32 +275,46 @@ def _sort_key(text: str):
     return [(0, float(t), "") if re.fullmatch(r"-?\d+(\.\d+)?", t) else (1, 0.0, t) for t in re.split(r"[=\s]+", text)]
 
 
+def _faceted_plot(items: list[dict], draw, *, xlabel: str, ylabel: str, title: str, path: Path,
+                  xscale: str | None = None, xbase: int = 10) -> bool:
+    """One panel per facet of `items` (jobs, with 'facet' and 'series'), `draw(ax, job, color)` per job,
+    one colour per series and one shared legend; the same layout for every faceted plot of the report."""
+    facets = sorted({j["facet"] for j in items}, key=_sort_key)
+    colors = _colors(sorted({j["series"] for j in items}, key=_sort_key))
+    fig, axes = _facet_grid(facets)
+    for ax, facet in zip(axes, facets):
+        for j in items:
+            if j["facet"] == facet:
+                draw(ax, j, colors[j["series"]])
+        if xscale:
+            ax.set_xscale(xscale, base=xbase)
+            ax.xaxis.set_minor_formatter(_no_labels())  # minor log ticks labelled "3x10^2 4x10^2" overlap
+        ax.set_title(facet, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    _shared_legend(fig, colors, "series")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return True
+
+
 def plot_curves(best: list[dict], metric: str, path: Path) -> bool:
     """The ranking metric vs step, best lr per variant: one panel per facet (the swept settings other than
     the colour key), one colour per series (mixer, or the first other swept key), one shared legend."""
     best = [j for j in best if j["curves"].get(metric)]
     if not best:
         return False
-    facets = sorted({j["facet"] for j in best}, key=_sort_key)
-    colors = _colors(sorted({j["series"] for j in best}, key=_sort_key))
-    fig, axes = _facet_grid(facets)
-    for ax, facet in zip(axes, facets):
-        for j in best:
-            if j["facet"] == facet:
-                pts = j["curves"][metric]
-                ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[j["series"]], lw=1.2,
-                        marker="." if len(pts) < 30 else None)
-        ax.set_title(facet, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.set_ylabel(metric, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    _shared_legend(fig, colors, "series")
-    fig.suptitle(f"{metric} vs step (best learning rate per variant)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return True
+
+    def draw(ax, j, color):
+        pts = j["curves"][metric]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], color=color, lw=1.2, marker="." if len(pts) < 30 else None)
+
+    return _faceted_plot(best, draw, xlabel="step", ylabel=metric, path=path,
+                         title=f"{metric} vs step (best learning rate per variant)")
 
 
 def plot_acc_vs_cache(best: list[dict], metric: str, path: Path) -> bool:
@@ -309,26 +323,10 @@ def plot_acc_vs_cache(best: list[dict], metric: str, path: Path) -> bool:
     pts = [j for j in best if _finite(j["metrics"].get(metric)) and _finite(j["metrics"].get("cache/bytes_per_token"))]
     if not pts:
         return False
-    facets = sorted({j["facet"] for j in pts}, key=_sort_key)
-    colors = _colors(sorted({j["series"] for j in pts}, key=_sort_key))
-    fig, axes = _facet_grid(facets)
-    for ax, facet in zip(axes, facets):
-        for j in pts:
-            if j["facet"] == facet:
-                ax.scatter(j["metrics"]["cache/bytes_per_token"], j["metrics"][metric], color=colors[j["series"]], s=30)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(_no_labels())  # minor log ticks labelled "3x10^2 4x10^2" overlap
-        ax.set_title(facet, fontsize=9)
-        ax.set_xlabel("cache/bytes_per_token", fontsize=8)
-        ax.set_ylabel(metric, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    _shared_legend(fig, colors, "series")
-    fig.suptitle(f"{metric} vs inference cache (best learning rate per variant)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return True
+    return _faceted_plot(
+        pts, lambda ax, j, c: ax.scatter(j["metrics"]["cache/bytes_per_token"], j["metrics"][metric], color=c, s=30),
+        xlabel="cache/bytes_per_token", ylabel=metric, xscale="log", path=path,
+        title=f"{metric} vs inference cache (best learning rate per variant)")
 
 
 def plot_tokens_per_sec(best: list[dict], path: Path) -> bool:
@@ -365,29 +363,17 @@ def plot_lengths(best: list[dict], metric: str, path: Path) -> bool:
             pts[int(L)] = j["metrics"][metric]
         return sorted(pts.items())
 
-    rows = [(j, points(j)) for j in best]
-    rows = [(j, p) for j, p in rows if len(p) > 1]
+    rows = [dict(j, length_points=points(j)) for j in best]
+    rows = [j for j in rows if len(j["length_points"]) > 1]
     if not rows:
         return False
-    facets = sorted({j["facet"] for j, _ in rows}, key=_sort_key)
-    colors = _colors(sorted({j["series"] for j, _ in rows}, key=_sort_key))
-    fig, axes = _facet_grid(facets)
-    for ax, facet in zip(axes, facets):
-        for j, pts in rows:
-            if j["facet"] == facet:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colors[j["series"]])
-        ax.set_xscale("log", base=2)
-        ax.set_title(facet, fontsize=9)
-        ax.set_xlabel("evaluation context length", fontsize=8)
-        ax.set_ylabel(metric, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    _shared_legend(fig, colors, "series")
-    fig.suptitle(f"{metric} vs context length (trained at data.seq_len)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return True
+
+    def draw(ax, j, color):
+        pts = j["length_points"]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=color)
+
+    return _faceted_plot(rows, draw, xlabel="evaluation context length", ylabel=metric, xscale="log", xbase=2,
+                         path=path, title=f"{metric} vs context length (trained at data.seq_len)")
 
 
 def _pairs(j: dict):
