@@ -300,3 +300,22 @@ def test_tensorboard_hparams_list_the_sweeps_jobs(tmp_path):
         assert hparams["model.mixer.window"].number_value == window and "optim.lr" in hparams
         assert {"hparams/val/acc", "hparams/cache/bytes_per_token", "hparams/params/total"} <= scalars
         assert "train/loss" in scalars and "val/acc" in scalars
+
+
+def test_report_averages_seeds_for_the_best_lr(tmp_path):
+    """Seeds swept: a variant's row is the mean over seeds of its best learning rate, with the spread."""
+    import statistics
+
+    d = tmp_path / "seeds"
+    rep = run_sweep("window", d, "model.mixer.window=8", "optim.lr=3e-3,1e-2", "seed=1,2", "data.train_size=128",
+                    "data.val_size=16", "hydra/launcher=basic")
+    (row,) = rep["best"]
+    assert row["n_seeds"] == 2 and row["n_lr"] == 2
+    runs = [j for j in rep["jobs"] if j["lr"] == row["lr"]]
+    accs = [j["metrics"]["val/acc"] for j in runs]
+    assert row["metrics"]["val/acc"] == pytest.approx(statistics.mean(accs))
+    assert row["spread"]["val/acc"] == pytest.approx(statistics.stdev(accs))
+    other = [j for j in rep["jobs"] if j["lr"] != row["lr"]]
+    assert statistics.mean(j["metrics"]["val/acc"] for j in other) <= row["metrics"]["val/acc"]
+    header = next(line for line in (d / "report.md").read_text().splitlines() if line.startswith("| job | variant"))
+    assert "| seeds | val/acc std |" in header

@@ -13,8 +13,9 @@ writes into the multirun dir:
                 vs key-value pairs per mixer, one panel per width)
   report.html   self-contained: both tables and the plots embedded as base64
 
-A *variant* is a job's swept overrides minus `optim.lr` and `seed`; its best job is the one with the best
-`val/acc` (max) or, without accuracy, `val/loss` (min) — the Zoology convention of best-of-lr.
+A *variant* is a job's swept overrides minus `optim.lr` and `seed`; its best learning rate is the one with the
+best `val/acc` (max) or, without accuracy, `val/loss` (min) — the Zoology convention of best-of-lr — averaged
+over seeds when seeds are swept (the row then shows the means and the spread).
 """
 from __future__ import annotations
 
@@ -152,7 +153,9 @@ def primary_metric(jobs: list[dict]) -> tuple[str, bool]:
 
 
 def best_per_variant(jobs: list[dict]) -> list[dict]:
-    """One job per variant: the best successful one by the primary metric (the failed one if all failed)."""
+    """One row per variant: the best learning rate by the primary metric (the failed job if all failed).
+    When seeds are swept, a learning rate's score is its mean over seeds, and the row's metrics are those
+    means, with `spread` = {metric: sample std over seeds} and `n_seeds` (one run: no spread)."""
     key, higher = primary_metric(jobs)
     groups: dict[str, list[dict]] = {}
     for j in jobs:
@@ -160,11 +163,23 @@ def best_per_variant(jobs: list[dict]) -> list[dict]:
     best = []
     for members in groups.values():
         ok = [j for j in members if j["status"] == "ok" and _finite(j["metrics"].get(key))]
+        n_lr = len({str(j["lr"]) for j in members})
         if not ok:
-            best.append({**members[0], "n_lr": len(members)})
+            best.append({**members[0], "n_lr": n_lr, "n_seeds": 1, "spread": {}})
             continue
-        pick = max(ok, key=lambda j: j["metrics"][key]) if higher else min(ok, key=lambda j: j["metrics"][key])
-        best.append({**pick, "n_lr": len(members)})
+        by_lr: dict[str, list[dict]] = {}
+        for j in ok:
+            by_lr.setdefault(str(j["lr"]), []).append(j)
+        mean = lambda runs, k: sum(r["metrics"][k] for r in runs) / len(runs)  # noqa: E731
+        pick = (max if higher else min)(by_lr.values(), key=lambda runs: mean(runs, key))
+        first = max(pick, key=lambda j: j["metrics"][key]) if higher else min(pick, key=lambda j: j["metrics"][key])
+        row = {**first, "n_lr": n_lr, "n_seeds": len(pick), "spread": {}}
+        if len(pick) > 1:
+            keys = [k for k in first["metrics"] if all(_finite(r["metrics"].get(k)) for r in pick)]
+            row["metrics"] = {k: mean(pick, k) for k in keys}
+            row["spread"] = {k: (sum((r["metrics"][k] - row["metrics"][k]) ** 2 for r in pick) / (len(pick) - 1)) ** 0.5
+                             for k in keys}
+        best.append(row)
     return best
 
 
@@ -493,12 +508,17 @@ def build_report(root: str | Path) -> dict:
     write_csv(jobs, root / "report.csv")
     n_ok = sum(j["status"] == "ok" for j in jobs)
     command = _sweep_command(root)
-    best_md = markdown_table(best, cols, extra=[("best lr", lambda j: j["lr"]), ("lrs", lambda j: j["n_lr"])])
+    extra = [("best lr", lambda j: j["lr"]), ("lrs", lambda j: j["n_lr"])]
+    seeds = max(j["n_seeds"] for j in best) > 1
+    if seeds:  # mean over seeds of the best lr, with the spread of the ranking metric
+        extra += [("seeds", lambda j: j["n_seeds"]), (f"{metric} std", lambda j: j["spread"].get(metric))]
+    best_md = markdown_table(best, cols, extra=extra)
     all_md = markdown_table(jobs, cols)
     md = [f"# Sweep report: {root.name}", ""]
     if command:
         md += [f"Command: `{command}`", ""]
-    md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`.", "",
+    md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`"
+           + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
            "## Best learning rate per variant", "", best_md, "", "## All jobs", "", all_md, "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
@@ -531,7 +551,8 @@ def _html_table(rows: list[dict], cols: list[str], best: bool, table_id: str) ->
         cells = [j["job"], j["variant"] if best else j["label"], j["mixer"], j["status"]]
         cells += [_fmt(j["lr"]), str(j["n_lr"])] if best else []
         vals = [None] * len(cells) + [j["metrics"].get(c) for c in cols]
-        cells += [_fmt(j["metrics"].get(c)) for c in cols]
+        spread = j.get("spread", {}) if best else {}
+        cells += [_fmt(j["metrics"].get(c)) + (f" ± {_fmt(spread[c])}" if c in spread else "") for c in cols]
         tds = "".join(f"<td{'' if v is None or not _finite(v) else f' data-v={v!r}'}>{html.escape(str(c))}</td>"
                       for c, v in zip(cells, vals))
         out.append(f"<tr{cls}>{tds}</tr>")
