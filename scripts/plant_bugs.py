@@ -21,9 +21,8 @@ BUGS = [
      "src/attnzoo/ops/delta_rule.py", "        qd = q * eG\n",
      "        qd = q * eG if initial_state is None else q  # PLANTED\n", "gated_deltanet"),
     ("FLOPs 10x too large (gqa)",
-     "src/attnzoo/mixers/attention.py", "    def flops_per_token(self, context_len: int) -> float:\n",
-     "    def flops_per_token(self, context_len: int) -> float:  # PLANTED\n"
-     "        return 10 * self._flops(context_len)\n\n    def _flops(self, context_len: int) -> float:\n", "gqa"),
+     "src/attnzoo/mixers/attention.py", "        return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV\n",
+     "        return 10 * (proj + 2.0 * 2 * self.n_heads * self.head_dim * keys)  # PLANTED\n", "gqa"),
     ("impl='reference' ignored (gqa)",
      "src/attnzoo/mixers/attention.py", '        if self.impl == "reference":\n',
      "        if False:  # PLANTED: impl ignored\n", "gqa"),
@@ -44,7 +43,7 @@ def main() -> None:
         finally:
             path.write_text(original)
         failed = sorted(set(re.findall(r"FAILED tests/test_mixers_contract.py::(\S+)", r.stdout)))
-        failed = [f for f in failed if re.search(rf"\[{mixer}[-\]]", f)]
+        failed = [f for f in failed if re.search(rf"[\[-]{mixer}[-+\]]", f)]
         caught += bool(failed)
         summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
         print(f"{'CAUGHT' if failed else 'MISSED'}: {what}: {len(failed)} failing tests ({summary})")
