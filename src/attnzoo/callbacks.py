@@ -107,3 +107,5 @@ class PreemptionCheckpoint(L.Callback):
 
         if isinstance(exception, SIGTERMException):
             trainer.save_checkpoint(self.path)
+            for lg in trainer.loggers:  # the curves up to this checkpoint on disk too
+                lg.save()

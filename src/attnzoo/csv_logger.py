@@ -17,10 +17,28 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
+def _write_atomically(path: str, keys: list, rows: list) -> None:
+    """Rewrite a CSV through a temp file and os.replace: a kill mid-write leaves the old file, never a
+    truncated one (Lightning rewrites metrics.csv in place whenever a new column appears)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class _ContinuingWriter(ExperimentWriter):
     def __init__(self, log_dir: str, keep_before: Optional[int]) -> None:
         self.keep_before = keep_before
         super().__init__(log_dir)
+
+    def _rewrite_with_new_header(self, fieldnames: list) -> None:
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        _write_atomically(self.metrics_file_path, fieldnames, rows)
 
     def _check_log_dir_exists(self) -> None:
         if self.keep_before is None or not os.path.isfile(self.metrics_file_path):
@@ -30,10 +48,7 @@ class _ContinuingWriter(ExperimentWriter):
             reader = csv.DictReader(f)
             keys = list(reader.fieldnames or [])
             rows = [r for r in reader if r.get("step") and int(float(r["step"])) < self.keep_before]
-        with open(self.metrics_file_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
+        _write_atomically(self.metrics_file_path, keys, rows)
         self.metrics_keys = sorted(keys)  # new columns later rewrite the header, as Lightning does
 
 
@@ -51,6 +66,11 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuingWriter(self.log_dir, self._resume_step)
         return self._experiment
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        """Every checkpoint also puts the rows logged so far on disk (Lightning flushes every 100 steps): a
+        SIGKILL then loses only rows after the last checkpoint, which the resumed run logs again."""
+        self.save()
 
 
 # what the HParams tab lists per run (those present), as hparams/<name> so the single end-of-run points do
