@@ -73,7 +73,7 @@ def trial(feature: list, work: Path, ref: tuple, env: dict, rng: random.Random) 
     r = subprocess.run([sys.executable, "-m", "attnzoo.train", "--resume", str(run)], env=env, capture_output=True,
                        text=True, timeout=600)
     if r.returncode != 0:
-        return {"ok": False, "killed_at": killed_at, "why": r.stderr.strip().splitlines()[-1:]}
+        return {"ok": False, "killed_at": killed_at, "why": (r.stdout + r.stderr).strip().splitlines()[-40:]}
     train, val = read_metrics(run)
     ref_train, ref_val = ref
     after = [s for s in ref_train if s >= killed_at]

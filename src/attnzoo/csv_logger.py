@@ -56,6 +56,10 @@ class ResumableCSVLogger(CSVLogger):
     """CSVLogger(save_dir, name, version) that continues `metrics.csv` from `resume_step` when given."""
 
     def __init__(self, *args, resume_step: Optional[int] = None, **kwargs) -> None:
+        # every logged row goes to disk at once (an append of a few rows): Lightning's default keeps 100 steps
+        # in memory, and it logs a step after the callbacks (checkpoints) of that step ran, so a SIGKILL lost
+        # rows from before the checkpoint the run resumes from
+        kwargs.setdefault("flush_logs_every_n_steps", 1)
         super().__init__(*args, **kwargs)
         self._resume_step = resume_step
 
