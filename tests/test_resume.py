@@ -161,3 +161,25 @@ def test_metrics_csv_is_on_disk_at_every_checkpoint_and_rewritten_atomically(tmp
     with pytest.raises(KeyboardInterrupt):
         _write_atomically(str(path), ["step", "x"], [{"step": 1, "x": 2}])
     assert path.read_bytes() == before
+
+
+def test_each_step_row_is_on_disk_before_its_checkpoint(tmp_path, monkeypatch):
+    """Lightning runs the checkpoint callbacks of a batch before it logs that batch's row: RowBeforeCheckpoint
+    writes the row first, so when last.ckpt for step N exists, the rows of every step before N are on disk
+    (what a SIGKILL right after the checkpoint leaves); the loop's repeat adds no duplicate row."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = {}
+    orig = ModelCheckpoint._save_checkpoint
+
+    def spy(self, trainer, filepath):
+        orig(self, trainer, filepath)
+        if filepath.endswith("last.ckpt"):
+            seen[trainer.global_step] = {int(r["step"]) for r in rows(tmp_path / "r") if r.get("train/loss")}
+
+    monkeypatch.setattr(ModelCheckpoint, "_save_checkpoint", spy)
+    train(compose_cfg(BASE + ["trainer.max_steps=12", "callbacks.checkpoint_every_n_steps=2",
+                              "trainer.log_every_n_steps=1"], tmp_path / "r"))
+    assert seen and all(set(range(step)) <= logged for step, logged in seen.items()), seen
+    steps = [int(r["step"]) for r in rows(tmp_path / "r") if r.get("train/loss")]
+    assert sorted(steps) == list(range(12))  # one train/loss row per step

@@ -13,6 +13,8 @@ import os
 from typing import Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
@@ -71,10 +73,53 @@ class ResumableCSVLogger(CSVLogger):
             self._experiment = _ContinuingWriter(self.log_dir, self._resume_step)
         return self._experiment
 
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+        # RowBeforeCheckpoint wrote this step's row already, before the checkpoint of the same batch: the
+        # loop's own call repeats it (plus anything logged by later callbacks): write only what is new
+        last_step, last = getattr(self, "_last_row", (None, {}))
+        values = {k: float(v) for k, v in metrics.items()}
+        if step == last_step and all(values.get(k) == v for k, v in last.items()):
+            new = {k: v for k, v in values.items() if k not in last or k == "epoch"}
+            self._last_row = (step, {**last, **values})
+            if set(new) - {"epoch"}:
+                super().log_metrics(new, step)
+            return
+        self._last_row = (step, values)
+        super().log_metrics(metrics, step)
+
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         """Every checkpoint also puts the rows logged so far on disk (Lightning flushes every 100 steps): a
         SIGKILL then loses only rows after the last checkpoint, which the resumed run logs again."""
         self.save()
+
+
+class RowBeforeCheckpoint(Callback):
+    """Puts a training step's CSV row on disk before the checkpoint callbacks of the same batch run.
+
+    Lightning calls the callbacks' on_train_batch_end (ModelCheckpoint writes last.ckpt at global step N)
+    before it logs that batch's metrics (as step N-1), so a SIGKILL between the two lost row N-1 for good:
+    the run resumes from step N. Placed before the checkpoint callbacks, this logs the same row to the CSV
+    logger first; the loop's own call then repeats it, and the CSV logger skips the exact repeat."""
+
+    def __init__(self, csv_logger: "ResumableCSVLogger") -> None:
+        self.csv = csv_logger
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+
+        conn = trainer._logger_connector
+        if trainer.fit_loop._should_accumulate() or not conn.should_update_logs:
+            return
+        metrics = convert_tensors_to_scalars(dict(conn.metrics["log"]))
+        if not metrics:
+            return
+        if "step" in metrics:  # the same step and keys as LoggerConnector.log_metrics will use
+            step = int(metrics.pop("step"))
+        else:
+            metrics.setdefault("epoch", trainer.current_epoch)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.csv.log_metrics(metrics, step)
 
 
 # what the HParams tab lists per run (those present), as hparams/<name> so the single end-of-run points do

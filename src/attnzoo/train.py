@@ -245,10 +245,14 @@ def build_trainer(parts: dict, out: Path, loggers: list):
     cb_cfg = dict(parts["callbacks"] or {})
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
     throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
+    from .csv_logger import ResumableCSVLogger, RowBeforeCheckpoint
+
+    csv_loggers = [lg for lg in loggers if isinstance(lg, ResumableCSVLogger)]
     callbacks = [
         DataPositionCallback(),  # first: the data position must be current when checkpoints are written
         PreemptionCheckpoint(out / "checkpoints" / "last.ckpt"),
         throughput,
+        *[RowBeforeCheckpoint(lg) for lg in csv_loggers],  # the step's CSV row (perf included) before its checkpoint
         # last.ckpt every `ckpt_every` steps (resume point); Lightning writes to a temp file, then renames
         ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
                         enable_version_counter=False),
