@@ -133,6 +133,9 @@ def test_failing_job_is_recorded_and_others_finish(tmp_path, capfd):
     assert float(rows["1"]["cache/bytes_per_token"]) == 2 * 2 * 2 * 4 * 4 + 2 * 32 * 3 * 4 / 64
     assert "**FAILED**" in (d / "report.md").read_text() and "class='failed'" in (d / "report.html").read_text()
     assert [j["status"] for j in rep["jobs"]] == ["failed", "ok"]
+    # the kv_heads variants are series of their own (the MQAR plots no longer collapse them into one "gqa")
+    assert [j["series"] for j in rep["jobs"]] == ["n_kv_heads=3", "n_kv_heads=2"]
+    assert [j["line"] for j in rep["jobs"]] == ["n_kv_heads=3", "n_kv_heads=2"]
 
 
 def test_sweep_rerun_skips_finished_jobs_and_resumes_interrupted_ones(tmp_path, capfd):
