@@ -105,8 +105,9 @@ def validate(cfg: DictConfig) -> dict:
     callbacks_node = container.pop("callbacks", None)
     run: TrainConfig = _merge(TrainConfig, container, "")
     model = resolve_model(model_node)
-    if family_of(model).check_model is not None:  # the family's own options (model.encdec)
-        family_of(model).check_model(model_node)
+    family = family_of(model)
+    if family.check_model is not None:  # the family's own options (model.encdec)
+        family.check_model(model_node)
     data = tagged(DATAMODULES, data_node, "data", default_name="text")
     check_data(model, data)  # a data module the model's family cannot use: refused before any work
     if hasattr(data, "validate"):
