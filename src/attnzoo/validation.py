@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ModelConfig, TrainConfig, TrainerConfig, _merge, resolve_model, tagged
+from .config import ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs, resolve_model, tagged
 from .data import DATAMODULES
 from .errors import ConfigError, check, check_choice
 from .families import check_data, family_of
@@ -95,6 +95,15 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
               f"queries; allowed: >= {4 * pairs}")
 
 
+def _check_blocks(model: ModelConfig, data: Any) -> None:
+    """Block-sparse mixers (nsa, moba): training sequences are whole blocks."""
+    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).name == "decoder" else []):
+        bs = getattr(mixer, "block_size", None)
+        if bs and data.seq_len % bs:
+            raise ConfigError(f"{bs} does not divide data.seq_len={data.seq_len}; allowed: a divisor of "
+                              f"{data.seq_len}", field=f"model.layers[{i}].mixer.block_size")
+
+
 def validate(cfg: DictConfig) -> dict:
     """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -133,6 +142,7 @@ def validate(cfg: DictConfig) -> dict:
     check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     _check_eval(run.eval, model, data)
+    _check_blocks(model, data)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(
         run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
