@@ -268,7 +268,7 @@ def test_optuna_hparams_search_smoke(tmp_path):
 
 def test_long_context_smoke_sweep_evaluates_every_length(tmp_path):
     d = tmp_path / "long"
-    rep = run_sweep("long_context", d, "model/position=rope_yarn,alibi", "eval.context_lengths=[64,128]",
+    rep = run_sweep("long_context_positions", d, "model/position=rope_yarn,alibi", "eval.context_lengths=[64,128]",
                     "eval.max_batches=2", "hydra/launcher=basic")
     assert [j["status"] for j in rep["jobs"]] == ["ok", "ok"]
     for j in rep["jobs"]:
@@ -276,6 +276,33 @@ def test_long_context_smoke_sweep_evaluates_every_length(tmp_path):
         assert {"val/loss@64", "val/loss@128", "cache/bytes_at_ctx@128"} <= set(m)
         assert m["cache/bytes_at_ctx@128"] == 2 * m["cache/bytes_at_ctx@64"]  # GQA: linear in the context
     assert (d / "plots" / "lengths.png").is_file()
+
+
+def test_long_context_recall_smoke_sweep_reports_every_length(tmp_path):
+    """The mixers at long context on MQAR: a sparse stack and the 3:1 hybrid, evaluated at 2x; the cache
+    really held after the prefill at each length equals the analytic bytes, and the report's length table
+    lists accuracy, cache bytes and decode rate per length."""
+    d = tmp_path / "recall"
+    rep = run_sweep("long_context_recall", d, 'model.pattern=nsa,"gdn;gdn;gdn;gqa"', "eval.context_lengths=[128]",
+                    "eval.max_batches=1", "hydra/launcher=basic")
+    assert [j["status"] for j in rep["jobs"]] == ["ok", "ok"]
+    for j in rep["jobs"]:
+        m = j["metrics"]
+        assert {"val/acc@128", "perf/decode_tokens_per_sec@128"} <= set(m)
+        summary = json.loads((d / j["job"] / "summary.json").read_text())
+        model = attnzoo_model(summary)
+        assert m["cache/bytes_at_ctx@128"] == model.cache_bytes(128)  # measured after a real 128-token prefill
+    assert [j["mixer"] for j in rep["jobs"]][0] == "nsa"
+    table = (d / "report.md").read_text().split("## Length extrapolation")[1].split("## All jobs")[0]
+    assert "val/acc@128" in table and "cache bytes@128" in table and "decode tok/s@128" in table
+    assert len([ln for ln in table.splitlines() if ln.startswith("| model.pattern=")]) == 2
+
+
+def attnzoo_model(summary: dict):
+    from attnzoo.config import resolve_model
+    from attnzoo.model import DecoderLM
+
+    return DecoderLM(resolve_model(summary["config"]["model"]), vocab_size=summary["model"]["vocab_size"])
 
 
 def test_tensorboard_hparams_list_the_sweeps_jobs(tmp_path):

@@ -135,6 +135,20 @@ class EvalConfig:
 
 
 @dataclass
+class InferenceConfig:
+    """The KV-cache format at inference (attnzoo.kv_quant; docs/attention.md#kv-cache-quantization)."""
+
+    kv_cache_dtype: str = "fp32"  # fp32 (as computed) | bf16 | int8 | int4 (KIVI; mha/gqa/mqa layers)
+    kv_group_size: int = 32  # G: tokens per key scale (per channel), channels per value scale (per token)
+    kv_residual: int = 32  # R: the most recent R tokens (up to R + G - 1) stay in full precision
+
+    def kv_format(self):
+        from .kv_quant import KVFormat
+
+        return KVFormat(self.kv_cache_dtype, self.kv_group_size, self.kv_residual)
+
+
+@dataclass
 class PathsConfig:
     output_dir: str = "outputs"
     cache_dir: str = "~/.cache/attnzoo"
@@ -159,6 +173,7 @@ class TrainConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 

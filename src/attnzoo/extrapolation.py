@@ -6,7 +6,9 @@
                           so only the distances between a key and its query grow)
   val/acc@L               synthetic tasks: accuracy on the answer positions
   cache/bytes_at_ctx@L    the inference cache after L tokens (the mixers' analytic bytes, equal to the
-                          measured ones: tests/test_mixers_contract.py)
+                          measured ones: tests/test_mixers_contract.py; measured after a real prefill of
+                          L tokens when perf.measure_decode is on)
+  perf/decode_tokens_per_sec@L   batch-1 greedy decode rate after that prefill (perf.measure_decode)
 over at most `eval.max_batches` batches of `data.batch_size * data.seq_len / L` sequences (the same number
 of tokens per batch as training). Decoder LMs only.
 """
@@ -39,9 +41,13 @@ def loader_at(dm, data_cfg, length: int) -> DataLoader:
 
 
 @torch.no_grad()
-def evaluate_loader(lit, loader, max_batches: int | None = None) -> dict:
+def evaluate_loader(lit, loader, max_batches: int | None = None, kv_format=None) -> dict:
     """val/loss, val/ppl (and val/acc when batches carry answer masks) of a decoder LM's LightningModule
-    over a loader, as its validation computes them; `tokens`: the positions counted."""
+    over a loader, as its validation computes them; `tokens`: the positions counted. With `kv_format`
+    (attnzoo.kv_quant.KVFormat) the logits come through a cache in that format, teacher-forced in the calls
+    that make every token see the cache as one-token decoding would (`kv_quant.logits_through_cache`)."""
+    from .kv_quant import logits_through_cache
+
     was_training = lit.model.training
     lit.model.eval()
     total = count = correct = 0.0
@@ -51,7 +57,8 @@ def evaluate_loader(lit, loader, max_batches: int | None = None) -> dict:
             if max_batches is not None and i >= max_batches:
                 break
             batch = [b.to(lit.device).long() if b.dtype != torch.bool else b.to(lit.device) for b in batch]
-            _, t, c, logits = lit._loss(batch, return_logits=True)
+            cached = None if kv_format is None else logits_through_cache(lit.model, batch[0], kv_format)
+            _, t, c, logits = lit._loss(batch, return_logits=True, logits=cached)
             ok = logits.argmax(-1) == batch[1]
             if len(batch) > 2:
                 has_mask = True
@@ -72,4 +79,16 @@ def evaluate_lengths(lit, dm, data_cfg, lengths, max_batches: int = 8) -> dict:
         res = evaluate_loader(lit, loader_at(dm, data_cfg, int(length)), max_batches)
         out.update({f"{k}@{length}": v for k, v in res.items() if k != "tokens"})
         out[f"cache/bytes_at_ctx@{length}"] = float(lit.model.cache_bytes(int(length)))
+    return out
+
+
+def evaluate_kv_format(lit, loader, kv_format, max_batches: int | None = None) -> dict:
+    """The quality cost of a KV-cache format: val/loss_kvq (and val/acc_kvq) through a cache in `kv_format`,
+    and its difference from the full forward over the same batches, which equals the full-precision cache
+    (cached == full forward: tests/test_mixers_contract.py): val/loss_kvq_delta = loss_kvq - loss."""
+    ref = evaluate_loader(lit, loader, max_batches)
+    got = evaluate_loader(lit, loader, max_batches, kv_format=kv_format)
+    out = {"val/loss_kvq": got["val/loss"], "val/loss_kvq_delta": got["val/loss"] - ref["val/loss"]}
+    if "val/acc" in got:
+        out.update({"val/acc_kvq": got["val/acc"], "val/acc_kvq_delta": got["val/acc"] - ref["val/acc"]})
     return out

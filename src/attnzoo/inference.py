@@ -8,6 +8,11 @@
     attnzoo-generate RUN_DIR --prompts prompts.txt               # one prompt per line, one completion each
     attnzoo-eval RUN_DIR                                         # val loss / ppl (/ acc) on the run's data
     attnzoo-eval RUN_DIR --text other.txt --context-lengths 512 1024 --out eval.json
+    attnzoo-eval RUN_DIR --kv-cache-dtype int4                   # + val/loss_kvq(_delta) through a KIVI int4 cache
+    attnzoo-generate RUN_DIR "def " --kv-cache-dtype int8        # sample from an int8 KV cache
+
+`--kv-cache-dtype fp32|bf16|int8|int4`, `--kv-group-size G`, `--kv-residual R` default to the run's own
+`inference.*` settings (attnzoo.kv_quant).
 
 Checkpoints are read with `torch.load(weights_only=True)`; a missing, corrupt or mismatched checkpoint
 (weights that do not fit the config it carries) is refused in one line, exit status 2.
@@ -15,6 +20,7 @@ Checkpoints are read with `torch.load(weights_only=True)`; a missing, corrupt or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -90,13 +96,46 @@ def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir
     return LoadedRun(lit.model, lit, cfg, dm, ckpt_path, int(state["global_step"]))
 
 
+# ----------------------------------------------------------------------------- KV-cache format
+
+
+def kv_format_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kv-cache-dtype", help="KV-cache format: fp32, bf16, int8, int4 (KIVI) (default: the run's "
+                    "inference.kv_cache_dtype)")
+    ap.add_argument("--kv-group-size", type=int, help="G: tokens per key scale, channels per value scale "
+                    "(default: the run's inference.kv_group_size)")
+    ap.add_argument("--kv-residual", type=int, help="R: recent tokens kept in full precision (default: the run's "
+                    "inference.kv_residual)")
+
+
+def kv_format_of(run: LoadedRun, args: argparse.Namespace):
+    """The KV-cache format from the command line, else the run's `inference` section, else the defaults;
+    checked (one-line ConfigError naming the flag). Not fp32: decoder LMs only."""
+    from .config import InferenceConfig
+    from .families import family_of
+    from .kv_quant import KVFormat, quantizes
+
+    own = InferenceConfig(**(run.config.get("inference") or {}))  # a run from before the section: the defaults
+    fmt = KVFormat(args.kv_cache_dtype or own.kv_cache_dtype,
+                   own.kv_group_size if args.kv_group_size is None else args.kv_group_size,
+                   own.kv_residual if args.kv_residual is None else args.kv_residual)
+    decoder = family_of(run.config["model"]).decoder_only
+    fmt.check(head_dims=[m.head_dim for m in run.model.mixers if quantizes(m)] if decoder else [],
+              fields=("--kv-cache-dtype", "--kv-group-size", "--kv-residual"))
+    if fmt.dtype != "fp32" and not decoder:
+        raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with this "
+                          f"{family_of(run.config['model']).name} model: fp32", field="--kv-cache-dtype")
+    return fmt
+
+
 # ----------------------------------------------------------------------------- generate
 
 
 @torch.no_grad()
 def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
-           top_p: Optional[float], seed: int, write: Callable[[str], Any]) -> str:
-    """Sample a completion token by token from the cache, writing each decoded piece as it comes."""
+           top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None) -> str:
+    """Sample a completion token by token from the cache (keys/values in `kv_format`, attnzoo.kv_quant),
+    writing each decoded piece as it comes."""
     from .model import sample_next
 
     model = run.model
@@ -105,7 +144,7 @@ def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float,
         raise ConfigError("the prompt encodes to no tokens", field="prompt")
     dev = next(model.parameters()).device
     x = torch.tensor([ids], device=dev)
-    cache = model.new_cache(1, len(ids) + max_new_tokens, model.embed.weight.dtype)
+    cache = model.new_cache(1, len(ids) + max_new_tokens, model.embed.weight.dtype, kv_format=kv_format)
     logits = model(x, cache=cache)[:, -1]
     g = torch.Generator(device=dev).manual_seed(seed)
     out: list = []
@@ -136,6 +175,7 @@ def generate_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    kv_format_args(ap)
     args = ap.parse_args(argv)
     try:
         if (args.prompt is None) == (args.prompts is None):
@@ -150,13 +190,14 @@ def generate_main(argv: list[str] | None = None) -> None:
         if not family_of(run.config["model"]).decoder_only:
             raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
                               field="checkpoint")
+        fmt = kv_format_of(run, args)
         prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}: {prompt!r}", flush=True)
             print(prompt, end="", flush=True)
             stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
-                   lambda s: print(s, end="", flush=True))
+                   lambda s: print(s, end="", flush=True), kv_format=fmt)
             print(flush=True)
     except ConfigError as e:
         print(f"attnzoo-generate: error: {e}", file=sys.stderr)
@@ -182,12 +223,14 @@ def eval_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    kv_format_args(ap)
     args = ap.parse_args(argv)
     try:
         run = load(args.run, best=args.best, device=args.device)
         from .families import family_of
 
         family = family_of(run.config["model"])
+        fmt = kv_format_of(run, args)
         if args.text is not None:
             if not hasattr(run.datamodule, "encode"):
                 raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
@@ -210,6 +253,14 @@ def eval_main(argv: list[str] | None = None) -> None:
             source = f"the run's validation split (data={run.config['data'].get('name')})"
         if family.name == "decoder":
             metrics = evaluate(run, loader, args.max_batches)
+            # analytic cache bytes per token at the run's length, in the chosen format (kv_quant.KVFormat.kv_bytes)
+            seq = run.config["data"]["seq_len"]
+            dtype = next(run.model.parameters()).dtype
+            metrics["cache/bytes_per_token"] = run.model.cache_bytes(seq, 1, dtype, kv_format=fmt) / seq
+            if fmt.dtype != "fp32":  # val/loss_kvq(_delta): the same batches through a cache in that format
+                from .extrapolation import evaluate_kv_format
+
+                metrics.update(evaluate_kv_format(run.lit, loader, fmt, args.max_batches))
         else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
             import lightning as L
 
@@ -226,7 +277,8 @@ def eval_main(argv: list[str] | None = None) -> None:
 
             data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
             metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
-        result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source, "metrics": metrics}
+        result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
+                  "kv_format": dataclasses.asdict(fmt), "metrics": metrics}
         out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
                            else run.checkpoint.with_suffix(".eval.json"))
         out.write_text(json.dumps(result, indent=2))

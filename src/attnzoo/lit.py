@@ -179,8 +179,9 @@ class LitLM(TrainingModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch, return_logits: bool = False):
+    def _loss(self, batch, return_logits: bool = False, logits: torch.Tensor | None = None):
         """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
+        `logits`: computed elsewhere (e.g. through a quantized KV cache) instead of by the training forward.
 
         A batch is (x, y), (x, y, loss_mask) or (x, y, loss_mask, token_mask): with a loss mask only its
         True positions count (synthetic tasks: the answer positions); token_mask marks real (non-padding)
@@ -188,7 +189,8 @@ class LitLM(TrainingModule):
         x, y = batch[0], batch[1]
         mask = batch[2] if len(batch) > 2 else None
         token_mask = batch[3] if len(batch) > 3 else None
-        logits = self._fwd(x, token_mask=token_mask)
+        if logits is None:
+            logits = self._fwd(x, token_mask=token_mask)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         if mask is not None:
             m = mask.reshape(-1).to(ce.dtype)

@@ -12,6 +12,7 @@ from . import hooks
 from .cache import ModelCache
 from .config import ModelConfig, layer_mixer_configs, resolve_model
 from .ffn import build_ffn
+from .kv_quant import format_kwargs
 from .norm import build_norm
 from .position import AbsolutePosition
 from .registry import MIXERS
@@ -134,12 +135,15 @@ class DecoderLM(nn.Module):
     def mixers(self) -> list:
         return [b.mixer for b in self.blocks]
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32, device=None) -> ModelCache:
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32, device=None,
+                  kv_format=None) -> ModelCache:
+        """`kv_format` (attnzoo.kv_quant.KVFormat): how the mha/gqa/mqa layers store keys and values (bf16,
+        KIVI int8/int4); None: as computed. The other layers' caches are unchanged."""
         device = device or self.embed.weight.device
-        return ModelCache([m.new_cache(batch, max_len, dtype, device) for m in self.mixers])
+        return ModelCache([m.new_cache(batch, max_len, dtype, device, **format_kwargs(m, kv_format)) for m in self.mixers])
 
-    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        return sum(m.cache_bytes(context_len, batch, dtype) for m in self.mixers)
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
+        return sum(m.cache_bytes(context_len, batch, dtype, **format_kwargs(m, kv_format)) for m in self.mixers)
 
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token (multiply-add = 2), LM head included, embedding lookup excluded."""
@@ -175,13 +179,14 @@ class DecoderLM(nn.Module):
         eos_id: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
         use_cache: bool = True,
+        kv_format=None,
     ) -> torch.Tensor:
-        """Autoregressive sampling: prefill the prompt once, then one token per step from the cache.
-        temperature 0 = greedy. Returns (B, T + new) token ids."""
+        """Autoregressive sampling: prefill the prompt once, then one token per step from the cache (its
+        keys/values stored in `kv_format`, see new_cache). temperature 0 = greedy. Returns (B, T + new) token ids."""
         was_training = self.training
         self.eval()
         B, T = idx.shape
-        cache = self.new_cache(B, T + max_new_tokens, self.embed.weight.dtype) if use_cache else None
+        cache = self.new_cache(B, T + max_new_tokens, self.embed.weight.dtype, kv_format=kv_format) if use_cache else None
         logits = self(idx, cache=cache)[:, -1]
         out = idx
         for _ in range(max_new_tokens):

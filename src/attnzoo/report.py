@@ -233,6 +233,45 @@ def markdown_table(rows: list[dict], cols: list[str], extra: list[tuple[str, Any
     return "\n".join(lines)
 
 
+def length_rows(best: list[dict], metric: str) -> tuple[list[int], list[list[str]]]:
+    """The length-extrapolation table (eval.context_lengths): per best variant, the ranking metric at the
+    training length and at every evaluated one, then the cache bytes and the decode rate at each of them."""
+    import re
+
+    lengths = sorted({int(m.group(1)) for j in best for k in j["metrics"]
+                      if (m := re.fullmatch(re.escape(metric) + r"@(\d+)", k))})
+    if not lengths:
+        return [], []
+    rows = []
+    for j in best:
+        m = j["metrics"]
+        L0 = (j["summary"].get("data") or {}).get("seq_len") or j["summary"].get("context_len")
+        cells = [j["variant"].replace("|", "\\|"), j["mixer"], _fmt(L0), _fmt(m.get(metric))]
+        cells += [_fmt(m.get(f"{metric}@{L}")) for L in lengths]
+        cells += [_fmt(m.get(f"cache/bytes_at_ctx@{L}")) for L in lengths]
+        cells += [_fmt(m.get(f"perf/decode_tokens_per_sec@{L}")) for L in lengths]
+        rows.append(cells)
+    return lengths, rows
+
+
+def length_head(metric: str, lengths: list[int]) -> list[str]:
+    return (["variant", "mixer", "trained at", metric] + [f"{metric}@{L}" for L in lengths]
+            + [f"cache bytes@{L}" for L in lengths] + [f"decode tok/s@{L}" for L in lengths])
+
+
+def lengths_md(best: list[dict], metric: str) -> str:
+    lengths, rows = length_rows(best, metric)
+    if not rows:
+        return ""
+    head = length_head(metric, lengths)
+    lines = ["## Length extrapolation", "",
+             f"`{metric}` at the training length and at each `eval.context_lengths` entry; the inference cache "
+             "(bytes, batch 1) and the batch-1 decode rate after a prefill of that length.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def failures_md(jobs: list[dict]) -> str:
     bad = [j for j in jobs if j["status"] != "ok"]
     if not bad:
@@ -519,7 +558,8 @@ def build_report(root: str | Path) -> dict:
         md += [f"Command: `{command}`", ""]
     md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`"
            + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
-           "## Best learning rate per variant", "", best_md, "", "## All jobs", "", all_md, "", failures_md(jobs)]
+           "## Best learning rate per variant", "", best_md, "", lengths_md(best, metric), "## All jobs", "", all_md,
+           "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
     (root / "report.html").write_text(_html(root.name, command, jobs, best, cols, plots, metric))
@@ -621,6 +661,15 @@ document.querySelectorAll('th').forEach((th, i) => th.addEventListener('click', 
 """
 
 
+def _lengths_html(best: list[dict], metric: str) -> str:
+    lengths, rows = length_rows(best, metric)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in length_head(metric, lengths))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c.replace(chr(92), ''))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<h2>Length extrapolation</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def _html(title, command, jobs, best, cols, plots, metric) -> str:
     imgs = "".join(
         f"<h3>{html.escape(name)}</h3><img src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'/>"
@@ -640,7 +689,7 @@ td[data-v]{{text-align:right;font-variant-numeric:tabular-nums}}</style></head><
 filter box to keep matching rows (the scatter follows the first table's filter); hover a point for its job.</p>
 {f"<h2>{html.escape(metric)} vs cache (best learning rate per variant)</h2>{scatter}" if scatter else ""}
 <h2>Best learning rate per variant</h2>{_html_table(best, cols, True, "best")}
-<h2>All jobs</h2>{_html_table(jobs, cols, False, "all")}
+{_lengths_html(best, metric)}<h2>All jobs</h2>{_html_table(jobs, cols, False, "all")}
 {f'<h2>Failed jobs</h2><ul>{fails}</ul>' if fails else ''}
 <h2>Plots</h2>{imgs}
 <script>{_JS}</script>

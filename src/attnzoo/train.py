@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -82,8 +83,10 @@ def is_rank_zero() -> bool:
 
 
 @torch.no_grad()
-def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32) -> dict:
-    """Prefill `context_len` random tokens (batch 1) into a fresh cache, then decode `decode_tokens` more.
+def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32,
+                      kv_format=None) -> dict:
+    """Prefill `context_len` random tokens (batch 1) into a fresh cache (keys/values in `kv_format`, see
+    DecoderLM.new_cache), then decode `decode_tokens` more.
 
     Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill) and the decode rate."""
     was_training = model.training
@@ -91,7 +94,7 @@ def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: i
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab_size, (1, context_len), generator=g).to(device)
-    cache = model.new_cache(1, context_len + decode_tokens + 1, dtype, device)
+    cache = model.new_cache(1, context_len + decode_tokens + 1, dtype, device, kv_format=kv_format)
     logits = model(prompt, cache=cache)
     at_ctx = cache.nbytes()
     nxt = logits[:, -1:].argmax(-1)
@@ -125,6 +128,10 @@ def format_summary(summary: dict) -> str:
         f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s",
         f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}",
     ]
+    if "val/loss_kvq" in m:  # inference.kv_cache_dtype other than fp32: bytes above are that format's
+        kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
+        lines.insert(-1, f"  kv-quant   {kv_dtype} cache: val loss {g('val/loss_kvq')} ({g('val/loss_kvq_delta', '{:+.4f}')} "
+                         f"vs full precision)" + (f"   acc {g('val/acc_kvq')}" if "val/acc_kvq" in m else ""))
     if summary.get("sample"):
         lines += ["  sample     " + repr(summary["sample"])[:400]]
     lines.append("=" * 72)
@@ -298,6 +305,13 @@ def fit(trainer, lit, dm, ckpt_path, out: Path) -> dict | None:
     return None
 
 
+def inference_kv(run) -> dict:
+    """`kv_format=` for the model's caches at inference (inference.kv_cache_dtype), {} for fp32 (the plain
+    cache; other formats are for decoder LMs only, checked by validate)."""
+    fmt = run.inference.kv_format()
+    return {} if fmt.dtype == "fp32" else {"kv_format": fmt}
+
+
 def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, family) -> dict:
     """Metrics at the end of a run: the last logged values, a validation of the final weights (the last
     scheduled one may be steps earlier), throughput, budget, parameters, cache bytes and inference timing."""
@@ -313,13 +327,26 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     metrics.update({k: float(v) for k, v in budget.items() if isinstance(v, (int, float))})
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
-    metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype) / data_cfg.seq_len
+    kv = inference_kv(run)
+    metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype, **kv) / data_cfg.seq_len
     if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:
-        metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype))
+        metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype,
+                                         **kv))
+    if kv and trainer.is_global_zero:  # the quality cost: validation through that cache vs the full forward
+        from .extrapolation import evaluate_kv_format
+
+        # the final validation's batches (rank 0's shard under DDP), so val/loss_kvq compares with val/loss
+        n = (trainer.num_val_batches or [math.inf])[0] if final else math.inf
+        n = int(n) if math.isfinite(n) else run.eval.max_batches
+        metrics.update(evaluate_kv_format(lit, dm.val_dataloader(), kv["kv_format"], n))
     if run.eval.context_lengths and trainer.is_global_zero and family.decoder_only:
         from .extrapolation import evaluate_lengths
 
         metrics.update(evaluate_lengths(lit, dm, data_cfg, run.eval.context_lengths, run.eval.max_batches))
+        if run.perf.measure_decode:  # the cache really held after L tokens, and the decode rate there
+            for L in run.eval.context_lengths:
+                at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype)
+                metrics.update({f"{k}@{L}": v for k, v in at.items()})
     return metrics
 
 
@@ -333,7 +360,7 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
         ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
         g = torch.Generator(device=lit.device).manual_seed(run.seed)
         outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,
-                              top_k=run.sample.top_k, top_p=run.sample.top_p, generator=g)
+                              top_k=run.sample.top_k, top_p=run.sample.top_p, generator=g, **inference_kv(run))
         sample = dm.decode(outp[0].tolist())
     return {
         "status": "ok",
@@ -370,8 +397,8 @@ def finish(trainer, out: Path, summary: dict, loggers: list) -> None:
         if isinstance(lg, RunTensorBoardLogger):  # the HParams tab: the flattened config and the final metrics
             lg.log_final(flatten(summary["config"]), metrics, trainer.global_step)
             continue
-        lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))},
-                       step=trainer.global_step)
+        lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))
+                        or k.endswith(("_kvq", "_kvq_delta"))}, step=trainer.global_step)
         lg.finalize("success")
         if type(lg).__name__ == "WandbLogger":  # close this job's run so the next job gets its own
             lg.experiment.finish()

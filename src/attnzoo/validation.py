@@ -10,7 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs, resolve_model, tagged
+from .config import (InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
+                     resolve_model, tagged)
 from .data import DATAMODULES
 from .errors import ConfigError, check, check_choice
 from .families import check_data, family_of
@@ -104,6 +105,19 @@ def _check_blocks(model: ModelConfig, data: Any) -> None:
                               f"{data.seq_len}", field=f"model.layers[{i}].mixer.block_size")
 
 
+def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
+    """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
+    is quantized: mha / gqa / mqa), and decoder LMs only."""
+    from .kv_quant import KV_QUANT_MIXERS
+
+    decoder = family_of(model).decoder_only
+    quantized = decoder and any(getattr(mc, "name", None) in KV_QUANT_MIXERS for mc in layer_mixer_configs(model))
+    inf.kv_format().check(head_dims=[model.head_dim] if quantized else [])
+    if inf.kv_cache_dtype != "fp32" and not decoder:
+        raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
+                          field="inference.kv_cache_dtype")
+
+
 def validate(cfg: DictConfig) -> dict:
     """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -142,6 +156,7 @@ def validate(cfg: DictConfig) -> dict:
     check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     _check_eval(run.eval, model, data)
+    _check_inference(run.inference, model)
     _check_blocks(model, data)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(

@@ -231,11 +231,15 @@ class Attention(Mixer):
         y = self.attend(q, k, v, q_offset=k.shape[2] - T)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
-        return KVCache()
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> KVCache:
+        # kv_format (attnzoo.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
+        return KVCache() if kv_format is None else kv_format.new_cache()
 
-    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-        kv = 2 * self.n_kv_heads * self.head_dim * context_len * batch * dtype_bytes(dtype)
+    def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
+        if kv_format is None:
+            kv = 2 * self.n_kv_heads * self.head_dim * context_len * batch * dtype_bytes(dtype)
+        else:
+            kv = kv_format.kv_bytes(context_len, batch, self.n_kv_heads, self.head_dim, dtype)
         return kv + self.input_conv_bytes(batch, dtype)
 
     def flops_per_token(self, context_len: int) -> float:
