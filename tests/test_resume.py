@@ -32,7 +32,10 @@ def train_losses(run_dir) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in rows(run_dir) if r.get("train/loss")}
 
 
-@pytest.mark.parametrize("extra", [[], MOE], ids=["dense", "moe-aux-free-bias"])
+DROPOUT = ["model.dropout=0.2"]  # draws from the global torch generator at every step: its state must be restored
+
+
+@pytest.mark.parametrize("extra", [[], MOE, DROPOUT], ids=["dense", "moe-aux-free-bias", "dropout"])
 def test_stop_and_resume_equals_uninterrupted(tmp_path, extra):
     ref, split = tmp_path / "ref", tmp_path / "split"
     a = train(compose_cfg(BASE + extra + ["trainer.max_steps=8"], ref))
@@ -43,13 +46,35 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, extra):
     for s in la:
         assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
     assert b["val/loss"] == pytest.approx(a["val/loss"], abs=1e-6)
-    if extra:  # the checkpoint holds the bias the next step uses: both runs end on the same bias
+    if extra == MOE:  # the checkpoint holds the bias the next step uses: both runs end on the same bias
         def bias(run):
             sd = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
             return torch.stack([v for k, v in sorted(sd.items()) if k.endswith("expert_bias")])
 
         assert bias(ref).abs().sum() > 0
         torch.testing.assert_close(bias(split), bias(ref), atol=0, rtol=0)
+
+
+def test_checkpoint_restores_the_random_generators_and_the_throughput_window(tmp_path):
+    """The generators continue where the checkpoint left them (a dropout run resumed equals the uninterrupted
+    one, above); the throughput window in progress is restored, so perf rows come at the same steps."""
+    from attnzoo.callbacks import ThroughputMonitor
+
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    extra = ["trainer.val_check_interval=8", "callbacks.checkpoint_every_n_steps=8"]
+    train(compose_cfg(BASE + extra + ["trainer.max_steps=24"], ref))
+    train(compose_cfg(BASE + extra + ["trainer.max_steps=16"], split))
+    ckpt = torch.load(split / "checkpoints" / "last.ckpt", weights_only=True)
+    assert {"python", "numpy", "torch"} <= set(ckpt["rng_states"])
+    window = ckpt["callbacks"][ThroughputMonitor.__qualname__]
+    assert window["steps"] == 6 and window["tokens"] == 6 * 8 * 32 and window["elapsed"] > 0  # 16 = 10 + 6
+    train(compose_cfg(BASE + extra + ["trainer.max_steps=24", "ckpt_path=last"], split))
+
+    def perf_steps(run):  # the steps where a window's measurement lands (the rows after it repeat it)
+        seen = [(int(r["step"]), r["perf/step_ms"]) for r in rows(run) if r.get("perf/step_ms")]
+        return [s for i, (s, v) in enumerate(seen) if i == 0 or v != seen[i - 1][1]]
+
+    assert perf_steps(split) == perf_steps(ref) == [9, 19]  # without the window's state: [9, 25] (past the end)
 
 
 def test_finished_run_resumed_changes_nothing(tmp_path):

@@ -94,6 +94,17 @@ class ThroughputMonitor(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._pause()
 
+    def state_dict(self) -> dict:
+        """The window in progress goes into the checkpoint, so a resumed run logs its throughput at the same
+        steps as an uninterrupted one (the first window after a resume counts only training time, the restart
+        excluded)."""
+        running = 0.0 if self._t0 is None else time.perf_counter() - self._t0
+        return {"elapsed": self._elapsed + running, "tokens": self._tokens, "steps": self._steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._t0 = None
+        self._elapsed, self._tokens, self._steps = float(state["elapsed"]), int(state["tokens"]), int(state["steps"])
+
 
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM (what SLURM sends before preemption) Lightning finishes the batch and raises

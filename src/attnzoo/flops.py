@@ -41,8 +41,9 @@ def _dtype_key(dtype: torch.dtype) -> str:
 @lru_cache(maxsize=None)
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024, seconds: float = 0.4) -> float:
     """Best FLOP/s of an n x n x n matmul in `dtype` on `device`, over ~`seconds` of repeats."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    g = torch.Generator().manual_seed(0)  # its own generator: a run's random stream must not depend on the cache
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(2):
         a @ b

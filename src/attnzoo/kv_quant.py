@@ -64,6 +64,11 @@ class KVFormat:
     group_size: int = 32  # G: tokens per key group, channels per value group
     residual: int = 32  # R: the most recent R tokens (up to R + G - 1) stay in the compute dtype
 
+    @classmethod
+    def of(cls, inference) -> "KVFormat":
+        """The format an `inference` config section (config.InferenceConfig) asks for."""
+        return cls(inference.kv_cache_dtype, inference.kv_group_size, inference.kv_residual)
+
     @property
     def bits(self) -> Optional[int]:
         return {"int8": 8, "int4": 4}.get(self.dtype)

@@ -20,6 +20,38 @@ log = logging.getLogger("attnzoo")
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
 
 
+def rng_states() -> dict:
+    """The global random generators (python, numpy, torch CPU and CUDA) in types `torch.load(weights_only=True)`
+    reads back: tensors, ints, floats."""
+    import random
+
+    import numpy as np
+
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss},
+           "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                     "cached": float(cached)},
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    py = states["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    nps = states["numpy"]
+    np.random.set_state(("MT19937", nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached"]))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
     """Multiplier on optim.lr at optimizer step `s` (0-based).
 
@@ -130,6 +162,16 @@ class TrainingModule(L.LightningModule):
         checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use."""
         super().optimizer_step(*args, **kwargs)
         hooks.after_optimizer_step(self.model)
+
+    # ------------------------------------------------------------------ random state
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The random generators go into every checkpoint (Lightning keeps none): dropout masks, MLM masking
+        and anything else drawing from the global generators continue after a resume as without it."""
+        checkpoint["rng_states"] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng_states" in checkpoint:  # checkpoints written before the states were saved: seeded state kept
+            set_rng_states(checkpoint["rng_states"])
 
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum a vector of validation statistics over all ranks."""

@@ -108,11 +108,11 @@ def _check_blocks(model: ModelConfig, data: Any) -> None:
 def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
     """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
     is quantized: mha / gqa / mqa), and decoder LMs only."""
-    from .kv_quant import KV_QUANT_MIXERS
+    from .kv_quant import KV_QUANT_MIXERS, KVFormat
 
     decoder = family_of(model).decoder_only
     quantized = decoder and any(getattr(mc, "name", None) in KV_QUANT_MIXERS for mc in layer_mixer_configs(model))
-    inf.kv_format().check(head_dims=[model.head_dim] if quantized else [])
+    KVFormat.of(inf).check(head_dims=[model.head_dim] if quantized else [])
     if inf.kv_cache_dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
                           field="inference.kv_cache_dtype")

@@ -21,6 +21,13 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def own_generator(seed: int) -> torch.Generator:
+    """A loader's own generator: every DataLoader iterator draws its workers' base seed from it, which would
+    otherwise be one draw from the global generator per iterator (per validation), so dropout masks after a
+    resume would depend on how many loaders had been iterated."""
+    return torch.Generator().manual_seed(seed)
+
+
 class ResumableShuffleSampler(Sampler[int]):
     def __init__(self, n: int, seed: int, batch_size: int, shuffle: bool = True):
         self.n, self.seed, self.batch_size, self.shuffle = n, seed, batch_size, shuffle
@@ -70,13 +77,14 @@ class ResumableDataMixin:
         """Shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch."""
         sampler = self.make_train_sampler(len(dataset), seed, batch_size)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
-                          collate_fn=collate_fn)
+                          collate_fn=collate_fn, generator=own_generator(seed))
 
     @staticmethod
     def val_loader(dataset, batch_size: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
         """In order, sharded over DDP ranks (the LightningModule reduces the metrics exactly)."""
         sampler = ResumableShuffleSampler(len(dataset), 0, batch_size, shuffle=False)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
+                          generator=own_generator(0))
 
     def state_dict(self) -> dict:
         return dict(self.position)
