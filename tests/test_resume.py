@@ -208,3 +208,35 @@ def test_each_step_row_is_on_disk_before_its_checkpoint(tmp_path, monkeypatch):
     assert seen and all(set(range(step)) <= logged for step, logged in seen.items()), seen
     steps = [int(r["step"]) for r in rows(tmp_path / "r") if r.get("train/loss")]
     assert sorted(steps) == list(range(12))  # one train/loss row per step
+
+
+def test_resume_continues_the_tensorboard_folder_and_the_wandb_run(tmp_path, monkeypatch, capfd):
+    """A resumed run writes into its own TensorBoard folder (events after the checkpoint step purged, so every
+    step appears once) and continues its wandb run (same id, `resume="allow"`)."""
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = tmp_path / "r"
+    loggers = ["logger=[csv,tensorboard,wandb]", "trainer.log_every_n_steps=1"]
+    import attnzoo.train as train_mod
+
+    # under Hydra the folder is named from the overrides, which the resume changes (a larger max_steps)
+    monkeypatch.setattr(train_mod, "run_label", lambda: "max_steps=4")
+    train(compose_cfg(BASE + loggers + ["trainer.max_steps=4"], run))
+    monkeypatch.setattr(train_mod, "run_label", lambda: "max_steps=8")
+    first_id = (run / "wandb_run_id").read_text()
+    capfd.readouterr()
+    train(compose_cfg(BASE + loggers + ["trainer.max_steps=8", "ckpt_path=last"], run))
+    out = capfd.readouterr().out
+    assert f"continuing run {first_id}" in out and (run / "wandb_run_id").read_text() == first_id
+    assert len({p.name.split("-")[-1] for p in (run / "wandb").glob("offline-run-*")}) == 1  # one run id
+    folders = {p.parent for p in (run / "tensorboard").rglob("events.out.tfevents.*")}
+    assert len(folders) == 1
+    steps = []
+    for f in sorted(next(iter(folders)).glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        steps += [e.step for e in acc.Scalars("train/loss")] if "train/loss" in acc.Tags()["scalars"] else []
+    assert sorted(steps) == list(range(8))

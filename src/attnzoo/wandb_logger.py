@@ -43,7 +43,10 @@ def _job_identity() -> tuple[str | None, str | None]:
     return group, name
 
 
-def make_wandb_logger(opts: dict, out: Path, container: dict):
+RUN_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run continues the same wandb run
+
+
+def make_wandb_logger(opts: dict, out: Path, container: dict, resume: bool = False):
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
     offline = opts.get("offline")
@@ -55,24 +58,28 @@ def make_wandb_logger(opts: dict, out: Path, container: dict):
     mixers = container.get("model", {}).get("mixer", {}) or {}
     tags = [t for t in [mixers.get("name"), container.get("data", {}).get("name")] if t] + list(opts.get("tags") or [])
     try:
-        return _build(opts, out, group, name, tags, offline)
+        return _build(opts, out, group, name, tags, offline, resume)
     except Exception as e:  # noqa: BLE001
         if not offline:  # credentials but no reachable server (within init_timeout): keep the run, offline
             print(f"attnzoo: wandb online init failed ({type(e).__name__}); logging offline instead", flush=True)
             try:
                 os.environ["WANDB_MODE"] = "offline"
-                return _build(opts, out, group, name, tags, True)
+                return _build(opts, out, group, name, tags, True, resume)
             except Exception as e2:  # noqa: BLE001
                 e = e2
         log.warning("wandb disabled for this run: %s: %s", type(e).__name__, e)
         return None
 
 
-def _build(opts, out, group, name, tags, offline):
+def _build(opts, out, group, name, tags, offline, resume=False):
     import wandb
     from lightning.pytorch.loggers import WandbLogger
 
+    id_file = Path(out) / RUN_ID_FILE
+    earlier = id_file.read_text().strip() if resume and id_file.exists() else None
     run = wandb.init(
+        id=earlier,  # None: a new run; a resume: the run's own id, continued (resume="allow")
+        resume="allow" if earlier else None,
         project=opts.get("project") or "attnzoo",
         entity=opts.get("entity"),
         group=opts.get("group") or group,
@@ -84,8 +91,10 @@ def _build(opts, out, group, name, tags, offline):
         # an unreachable server costs at most init_timeout seconds (wandb's default is 90, retried)
         settings=wandb.Settings(silent=True, console="off", init_timeout=float(opts.get("init_timeout") or 30)),
     )
+    id_file.write_text(run.id)
     # one line per run: where it went (nothing else on the console mentions it)
     where = f"offline run in {run.dir} (upload later: wandb sync {Path(run.dir).parent})" if offline else \
-        f"online run {getattr(run, 'url', None) or run.id}"
+        f"online run {getattr(run, 'url', None) or run.id} (local files in {run.dir})"
+    where += f", continuing run {earlier}" if earlier else ""
     print(f"attnzoo: wandb {where}; project {run.project}, group {run.group or '-'}, name {run.name}", flush=True)
     return WandbLogger(experiment=run, save_dir=str(out))
