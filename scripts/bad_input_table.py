@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- bad-input table: begin (scripts/bad_input_table.py) -->", "<!-- bad-input table: end -->"
 # checked by other tests (the CLI before Hydra, a live lock, a disk filling up, a refused resume)
 EXTRA = [
-    ("`model/mixer=softmaxx` (any unknown option of a config group)", "model/mixer: unknown option 'softmaxx'; allowed: deltanet, gated_deltanet, gqa, linear_attention, mha, mla, mqa, sliding_window"),
+    ("`model/mixer=softmaxx` (any unknown option of a config group)", "model/mixer: unknown option 'softmaxx'; allowed: deltanet, gated_deltanet, gqa, linear_attention, mha, mla, moba, mqa, nsa, sliding_window"),
     ("`model.n_head=4` (a misspelt key, no `+`)", "model.n_head: unknown key; did you mean model.n_heads? allowed keys: ... (add a new key with +model.n_head=4)"),
     ("`paths.output_dir=` on a disk with < 64 MiB free", "paths.output_dir: <dir>: only 5.0 MiB free on its filesystem; allowed: >= 64 MiB free (checkpoints, logs)"),
     ("the disk fills up during the run", "paths.output_dir: no space left writing <ckpt> (No space left on device); the last complete checkpoint is kept; allowed: free space, then resume with --resume <run dir>"),

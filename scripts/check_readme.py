@@ -8,6 +8,9 @@
   several nodes): the config is composed and validated exactly as `attnzoo-train` would before starting
   (every value checked), but nothing is launched.
 - `bash scripts/setup.sh && X`: X (setup is what CI has just done); the test command itself is not rerun.
+- `attnzoo-export outputs/train/<run> OUT`: exports the last decoder LM trained on text above (like
+  `attnzoo-generate` / `attnzoo-eval`); OUT under `~` lands in the temp home, where a later
+  `attnzoo-train 'model.init_from="~/..."'` reads it.
 
     .venv/bin/python scripts/check_readme.py [README.md]
 """
@@ -127,6 +130,13 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         code = f"import sys; from attnzoo.inference import {module}; {module}(sys.argv[1:])"
         return "ran", subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                                      timeout=600)
+    if tool == "attnzoo-export":  # the README's last decoder run on text, out to a dir under the temp home
+        run_dir = sweep_dirs.get("<run>")
+        if run_dir is None:
+            return "failed: no earlier README training run to use", None
+        args = [str(run_dir) if "<run>" in a else a for a in args]
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.hf", *args], env=env, capture_output=True,
+                                     text=True, timeout=600)
     if tool == "attnzoo-bench":
         return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),
                                                 *args, "--quick"], env=env, capture_output=True, text=True, timeout=600)

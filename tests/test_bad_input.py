@@ -94,6 +94,14 @@ def _cases(tmp):
         ("linear chunk 0", ["model/mixer=linear_attention", "model.mixer.chunk_size=0"], "model.layers[0].mixer.chunk_size", ">= 1"),
         ("negative sinks", ["model/mixer=sliding_window", "model.mixer.sink_tokens=-1"], "model.layers[0].mixer.sink_tokens", ">= 0"),
         ("bidirectional window", ["model/mixer=sliding_window", "model.mixer.causal=false"], "model.layers[0].mixer.causal", "causal only"),
+        ("nsa block not dividing the length", ["model/mixer=nsa", "model.mixer.block_size=7"], "model.layers[0].mixer.block_size", "divide"),
+        ("nsa too few blocks selected", ["model/mixer=nsa", "model.mixer.block_counts=2"], "model.layers[0].mixer.block_counts", ">= 3"),
+        ("nsa more blocks than the context", ["model/mixer=nsa", "model.mixer.block_counts=1000"], "model.layers[0].mixer.block_counts", "exceeds"),
+        ("moba top-k beyond the blocks", ["model/mixer=moba", "model.mixer.topk=1000"], "model.layers[0].mixer.topk", ""),
+        ("moba top-k 0", ["model/mixer=moba", "model.mixer.topk=0"], "model.layers[0].mixer.topk", ">= 1"),
+        ("unknown kv-cache dtype", ["inference.kv_cache_dtype=int3"], "inference.kv_cache_dtype", "allowed: fp32, bf16, int8, int4"),
+        ("int4 kv cache, odd head_dim", ["inference.kv_cache_dtype=int4", "model.head_dim=7"], "inference.kv_cache_dtype", "odd"),
+        ("kv group size 0", ["inference.kv_group_size=0"], "inference.kv_group_size", ">= 1"),
         ("zero d_ff", ["model.ffn.d_ff=0"], "model.ffn.d_ff", "must be positive"),
         ("mlp activation", ["model/ffn=mlp", "model.ffn.activation=tanh"], "model.ffn.activation", "allowed: gelu, relu"),
         ("zero experts", ["model/ffn=moe", "model.ffn.n_experts=0"], "model.ffn.n_experts", ">= 1"),
@@ -152,6 +160,7 @@ def _cases(tmp):
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))
+        cases.append(("ddp without a gpu", ["trainer=ddp"], "trainer.accelerator", "no CUDA device"))
     if "mla" in MIXERS.names():
         cases.append(("mla ranks", ["model/mixer=mla", "model.mixer.kv_lora_rank=0"], "model.layers[0].mixer.kv_lora_rank", ""))
     if "sliding_window" in MIXERS.names():

@@ -74,6 +74,9 @@ class ModelConfig:
     pattern: Any = None
     mixers: Dict[str, Any] = field(default_factory=dict)
     encdec: Any = None  # encoder-decoder / encoder-only options (attnzoo.encdec.EncDecOptions), model=encdec|encoder
+    # a local transformers model directory (config.json + *.safetensors): the architecture comes from its
+    # config.json and training starts from its weights (attnzoo.hf.apply_init_from; docs/hf.md)
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -141,11 +144,6 @@ class InferenceConfig:
     kv_cache_dtype: str = "fp32"  # fp32 (as computed) | bf16 | int8 | int4 (KIVI; mha/gqa/mqa layers)
     kv_group_size: int = 32  # G: tokens per key scale (per channel), channels per value scale (per token)
     kv_residual: int = 32  # R: the most recent R tokens (up to R + G - 1) stay in full precision
-
-    def kv_format(self):
-        from .kv_quant import KVFormat
-
-        return KVFormat(self.kv_cache_dtype, self.kv_group_size, self.kv_residual)
 
 
 @dataclass

@@ -51,12 +51,18 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int
             loggers.append(ResumableCSVLogger(save_dir=str(out), name="csv", version="", resume_step=resume_step))
         elif name == "tensorboard":
             # <run>/tensorboard/<overrides>: `tensorboard --logdir <sweep dir>` names each run by its overrides
-            loggers.append(RunTensorBoardLogger(save_dir=str(out), name="tensorboard", version=run_label(),
-                                                default_hp_metric=False))
+            # a resume continues the run's own event folder (its label may differ: a larger max_steps) and drops
+            # the events logged after the checkpoint step (SummaryWriter's purge_step)
+            tb_root, version, extra = out / "tensorboard", run_label(), {}
+            if resume_step is not None and tb_root.is_dir():
+                earlier = sorted(p.name for p in tb_root.iterdir() if p.is_dir())
+                version, extra = (earlier[0] if earlier else version), {"purge_step": resume_step}
+            loggers.append(RunTensorBoardLogger(save_dir=str(out), name="tensorboard", version=version,
+                                                default_hp_metric=False, **extra))
         elif name == "wandb" and is_rank_zero():  # one wandb run per job, not one per rank
             from .wandb_logger import make_wandb_logger
 
-            wb = make_wandb_logger(opts, out, container)
+            wb = make_wandb_logger(opts, out, container, resume=resume_step is not None)
             if wb is not None:
                 loggers.append(wb)
     return loggers
@@ -158,9 +164,11 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     """Train one run from a composed config; returns the final metrics (also written to summary.json).
     `on_accept()` is called once the run is accepted (config valid, run dir free, resume compatible),
     before anything is written to the run dir (the CLI writes `.hydra/` there then)."""
+    from .hf import apply_init_from
     from .rundir import run_dir_lock
 
     t_start = time.perf_counter()
+    cfg = apply_init_from(cfg)  # model.init_from: the model section from that transformers config.json
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
@@ -189,6 +197,9 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     ckpt_path, ckpt = resolve_ckpt(run.ckpt_path, out)
     L.seed_everything(run.seed, workers=True, verbose=False)
     dm, budget = prepare_data(parts, container)
+    from .hf import check_init_vocab
+
+    check_init_vocab(container["model"], dm.vocab_size)  # an imported model's embedding fits the data's ids
     if ckpt is not None:  # before anything is built or written: a refused resume leaves the run dir as it was
         from .checkpoint import check_resume_compatible
 
@@ -234,6 +245,10 @@ def build_module(container: dict, dm, run):
 
     family = family_of(container["model"])
     lit = family.build_lit(container, resolve_model(container["model"], vocab_size=dm.vocab_size), dm)
+    if run.ckpt_path is None:  # model.init_from: start from the imported weights (a resume has its own)
+        from .hf import init_weights_from
+
+        init_weights_from(lit.model, container["model"])
     if run.compile:
         lit.compile_model()
     return family, lit
@@ -308,7 +323,9 @@ def fit(trainer, lit, dm, ckpt_path, out: Path) -> dict | None:
 def inference_kv(run) -> dict:
     """`kv_format=` for the model's caches at inference (inference.kv_cache_dtype), {} for fp32 (the plain
     cache; other formats are for decoder LMs only, checked by validate)."""
-    fmt = run.inference.kv_format()
+    from .kv_quant import KVFormat
+
+    fmt = KVFormat.of(run.inference)
     return {} if fmt.dtype == "fp32" else {"kv_format": fmt}
 
 

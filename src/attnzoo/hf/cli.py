@@ -1,0 +1,214 @@
+"""Directories in and out: the tokenizer files, `export_model` (a save_pretrained directory), `model.init_from`
+for attnzoo-train (`apply_init_from`, `check_init_vocab`, `init_weights_from`) and `attnzoo-export` (`main`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from .archs import FIELD, _no, arch_for
+from .configs import config_from_hf, hf_config
+from .weights import hf_state_dict, load_hf_weights, read_hf_config, read_hf_state_dict, safetensors_files
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def hf_tokenizer_json(tokenizer) -> Optional[str]:
+    """tokenizer.json text for a run's tokenizer: byte-level BPE as it is; the char tokenizer as a
+    WordLevel model over single characters (split on every character, pieces fused back on decode)."""
+    if getattr(tokenizer, "kind", None) == "bpe":
+        return tokenizer.tok.to_str()
+    if getattr(tokenizer, "kind", None) == "char":
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel(vocab=dict(tokenizer.stoi), unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("<unk>", special=True)])
+        return tok.to_str()
+    return None
+
+
+def write_tokenizer(tokenizer, out: Path, max_len: int) -> Optional[int]:
+    """tokenizer.json + tokenizer_config.json (AutoTokenizer -> PreTrainedTokenizerFast); returns the
+    <|endoftext|> id, or None when the run has no tokenizer (synthetic tasks: ids are the task's own)."""
+    text = hf_tokenizer_json(tokenizer)
+    if text is None:
+        return None
+    (out / "tokenizer.json").write_text(text)
+    eos = tokenizer.encode("<|endoftext|>") if tokenizer.kind == "bpe" else [0]
+    eos_id = eos[0] if len(eos) == 1 else None
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>"}
+    if tokenizer.kind == "char":
+        conf["unk_token"] = "<unk>"
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+    return eos_id
+
+
+def export_model(model, out_dir: str | Path, tokenizer=None) -> dict:
+    """Write `model` (an attnzoo DecoderLM) as a save_pretrained-style directory; returns its config.json."""
+    from safetensors.torch import save_file
+
+    config = hf_config(model)  # refuses (one line) before anything is written
+    weights = hf_state_dict(model)
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    eos = write_tokenizer(tokenizer, out, model.cfg.max_seq_len) if tokenizer is not None else None
+    if eos is not None:
+        config["eos_token_id"] = eos
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return config
+
+
+# ----------------------------------------------------------------------------- init_from (attnzoo-train)
+
+
+def apply_init_from(cfg, overrides: Optional[list] = None):
+    """A run config whose `model` section comes from model.init_from's config.json (a copy; `cfg` itself is
+    unchanged; no init_from: `cfg` as is). Precedence: config.json decides the architecture; of the composed
+    model section only `dropout`, `init_std` and `init` are kept; command-line overrides `model.<key>=v` of
+    keys config.json does not set (training knobs: model.ffn.aux_loss_coef, model.mixer.chunk_size, ...) are
+    applied on top, and one that contradicts config.json, or a model preset/group override, is refused in
+    one line. `overrides`: the command line's (default: Hydra's, when running under Hydra)."""
+    from omegaconf import OmegaConf, open_dict
+
+    init = OmegaConf.select(cfg, "model.init_from")
+    if not init:
+        return cfg
+    path = Path(str(init)).expanduser().resolve()
+    derived = config_from_hf(read_hf_config(path))
+    safetensors_files(path)  # the weights are there: checked now, read when the model is built
+    if OmegaConf.select(cfg, "model_budget"):
+        raise ConfigError("sizes the model to a budget, but model.init_from fixes it; allowed: null",
+                          field="model_budget")
+    if _agrees(OmegaConf.to_container(cfg.model, resolve=True), derived):
+        return cfg  # already derived (a DDP worker's or a resumed run's config): knobs given then are kept
+    kept = {k: OmegaConf.select(cfg, f"model.{k}") for k in ("dropout", "init_std", "init")}
+    model = OmegaConf.create({**derived, **{k: v for k, v in kept.items() if v is not None}, "init_from": str(path)})
+    for o in (_hydra_overrides() if overrides is None else overrides):
+        key = str(o).split("=", 1)[0].lstrip("+~")
+        if key in ("model", "override model") or key.startswith(("model/", "model@")):
+            raise ConfigError(f"{o}: model.init_from={path} sets the whole architecture from its config.json; allowed: "
+                              f"drop the preset/group override", field="model")
+        if not key.startswith("model.") or key in ("model.init_from", "model.dropout", "model.init_std", "model.init"):
+            continue
+        sub = key[len("model."):]
+        value = OmegaConf.select(cfg, key)
+        if OmegaConf.select(model, sub, default="__absent__") == "__absent__":
+            OmegaConf.update(model, sub, value, force_add=True)
+        elif OmegaConf.select(model, sub) != value:
+            given = OmegaConf.select(model, sub)
+            raise ConfigError(f"{value!r} contradicts {path}/config.json, which gives {given!r}; "
+                              f"allowed: drop the override (the imported architecture is fixed)", field=key)
+    out = cfg.copy()
+    with open_dict(out):
+        out.model = model
+    return out
+
+
+def _agrees(section: dict, derived: dict) -> bool:
+    """Every value config.json gives is already in `section` (which may hold more keys)."""
+    for key, want in derived.items():
+        have = section.get(key, "__absent__") if isinstance(section, dict) else "__absent__"
+        if isinstance(want, dict) and want:
+            if not isinstance(have, dict) or not _agrees(have, want):
+                return False
+        elif have != want:
+            return False
+    return True
+
+
+def _hydra_overrides() -> list:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - not under Hydra (tests, DDP workers): nothing given on a command line
+        return []
+
+
+def check_init_vocab(model_section: dict, vocab_size: int) -> None:
+    """The run's data must use exactly the imported model's vocabulary (its ids index the embedding)."""
+    want = model_section.get("vocab_size")
+    if model_section.get("init_from") and want != vocab_size:
+        raise ConfigError(f"{model_section['init_from']} has vocab_size={want}, the run's data {vocab_size} tokens; "
+                          f"allowed: data with the same vocabulary (e.g. data.vocab_size={want} for a synthetic task)",
+                          field=FIELD)
+
+
+def init_weights_from(model, model_section: dict) -> None:
+    """Load model.init_from's weights into a freshly built model (train(), before fitting)."""
+    path = model_section.get("init_from")
+    if path:
+        load_hf_weights(model, read_hf_state_dict(path))
+
+
+# ----------------------------------------------------------------------------- attnzoo-export
+
+
+def load_run_model(run: str | Path, best: bool = False):
+    """(DecoderLM in eval mode, its tokenizer or None, the run config) from a run dir or a .ckpt."""
+    from ..checkpoint import check_checkpoint
+    from ..config import resolve_model, tagged
+    from ..data import DATAMODULES, build_datamodule
+    from ..families import family_of
+
+    p = Path(run).expanduser()
+    ckpt = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt") if p.is_dir() else p
+    if not ckpt.is_file():
+        raise ConfigError(f"{ckpt} does not exist; allowed: a run dir with checkpoints/{ckpt.name}, or a .ckpt file",
+                          field="RUN_DIR")
+    state = check_checkpoint(ckpt, field="RUN_DIR")
+    hp = state.get("hyper_parameters") or {}
+    cfg = hp.get("cfg")
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise ConfigError(f"{ckpt} carries no attnzoo run config (hyper_parameters.cfg)", field="RUN_DIR")
+    fam = family_of(cfg["model"])
+    if fam.name != "decoder":
+        raise _no("model.name", f"{cfg['model'].get('name')} ({fam.name} family; exported: decoder-only LMs)")
+    tokenizer, vocab = None, hp.get("vocab_size")
+    data_cfg = tagged(DATAMODULES, cfg.get("data"), "data", default_name="text")
+    if data_cfg.name == "text":  # the run's tokenizer (cached; rebuilt from the corpus otherwise)
+        dm = build_datamodule(data_cfg, cache_dir=(cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo",
+                              seed=cfg.get("seed", 0))
+        dm.setup("validate")
+        tokenizer, vocab = dm.tokenizer, dm.vocab_size
+    model = fam.build_model(resolve_model(cfg["model"], vocab_size=vocab), vocab)
+    weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"{ckpt}: the weights do not fit the config it carries ({str(e).splitlines()[0][:160]})",
+                          field="RUN_DIR") from None
+    return model.eval(), tokenizer, cfg
+
+
+def main(argv: Optional[list] = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-export", description="Write a trained decoder LM as a transformers "
+                                 "save_pretrained directory (config.json, model.safetensors, tokenizer files).")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("out", help="the output directory (AutoModelForCausalLM.from_pretrained(out) reads it)")
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    args = ap.parse_args(argv)
+    try:
+        out = Path(args.out).expanduser()
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError(f"{out} exists and is not empty; allowed: a new or empty directory", field="OUT_DIR")
+        model, tokenizer, cfg = load_run_model(args.run, args.best)
+        arch = arch_for(model)
+        export_model(model, out, tokenizer)
+        data = (cfg.get("data") or {}).get("name", "text")
+        print(f"attnzoo-export: wrote {out} ({arch.cls}, {model.num_params():,} parameters)")
+        if tokenizer is None:
+            print(f"attnzoo-export: data={data} has no tokenizer (its token ids are the task's own): weights and "
+                  f"config only")
+    except ConfigError as e:
+        print(f"attnzoo-export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+

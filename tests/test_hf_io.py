@@ -1,0 +1,372 @@
+"""transformers interchange (attnzoo.hf): import tiny random-init transformers checkpoints saved with
+save_pretrained, export attnzoo models and read them back with AutoModelForCausalLM, refusals in one line,
+and `model.init_from` through train(). fp32 throughout; logits within 1e-5 (abs and rel)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from attnzoo import hf  # noqa: E402
+from attnzoo.config import resolve_model  # noqa: E402
+from attnzoo.errors import ConfigError  # noqa: E402
+from attnzoo.model import DecoderLM  # noqa: E402
+
+from tests.conftest import compose_cfg  # noqa: E402
+
+V = 97
+ATOL = RTOL = 1e-5
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+MOE = dict(experts_implementation="eager")
+
+
+def widen(model, seed: int = 0) -> None:
+    """Random-init weights are tiny (std 0.02): widen them so that a wrong mapping would show."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+
+
+def hf_forward(model, idx):
+    # an all-linear Qwen3-Next cannot build transformers' cache (it needs one attention layer): no cache here
+    with torch.no_grad():
+        return model(input_ids=idx, use_cache=False).logits
+
+
+# name -> a tiny random-init transformers model of that architecture
+HF_CASES = {
+    "llama-gqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    "llama-mha-bias-tied-llama3rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**COMMON, "num_key_value_heads": 4, "tie_word_embeddings": True}, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    "qwen2-mqa": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**COMMON,
+                                                                                   "num_key_value_heads": 1})),
+    "mistral-swa4": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4)),
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2, **MOE)),
+    "deepseek_v3-mla-moe": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5, **MOE)),
+    "deepseek_v3-mla-dense": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=2, rope_interleave=False)),
+    "qwen3_next-gdn-moe": lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **COMMON, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        layer_types=["linear_attention"] * 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, mlp_only_layers=[0], **MOE)),
+}
+
+
+def save_hf(model, path):
+    model.save_pretrained(path)
+    return path
+
+
+def import_dir(path) -> DecoderLM:
+    section = hf.config_from_hf(hf.read_hf_config(path))
+    ours = DecoderLM(resolve_model(section, vocab_size=section["vocab_size"])).eval()
+    hf.load_hf_weights(ours, hf.read_hf_state_dict(path))
+    return ours
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_import_logits_equal_transformers(case, tmp_path):
+    ref = HF_CASES[case]().eval()
+    widen(ref)
+    if case.startswith("deepseek_v3-mla-moe"):  # a non-zero selection bias, so that it must be carried over
+        with torch.no_grad():
+            ref.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    ours = import_dir(save_hf(ref, tmp_path / case))
+    idx = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(1))
+    want = hf_forward(ref, idx)
+    with torch.no_grad():
+        got = ours(idx)
+    assert want.abs().max() > 1.0  # not two near-zero tensors
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_sharded_checkpoint_is_read(tmp_path):
+    ref = HF_CASES["llama-gqa"]().eval()
+    widen(ref)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    idx = torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(import_dir(tmp_path)(idx), hf_forward(ref, idx), atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- export round trip
+
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "tie_embeddings": False, "max_seq_len": 64,
+        "ffn": {"name": "swiglu", "d_ff": 64}}
+MOE_FFN = {"name": "moe", "n_experts": 4, "top_k": 2, "d_ff": 16}
+EXPORT_CASES = {  # name -> (attnzoo model section, the transformers class it becomes)
+    "gqa": ({**TINY}, "LlamaForCausalLM"),
+    "mha-tied": ({**TINY, "mixer": {"name": "mha"}, "tie_embeddings": True}, "LlamaForCausalLM"),
+    "mqa-qkv_bias": ({**TINY, "mixer": {"name": "mqa", "qkv_bias": True}}, "Qwen2ForCausalLM"),
+    "sliding_window": ({**TINY, "mixer": {"name": "sliding_window", "window": 3}}, "MistralForCausalLM"),
+    "gqa-moe": ({**TINY, "ffn": MOE_FFN}, "MixtralForCausalLM"),
+    "sliding_window-moe": ({**TINY, "mixer": {"name": "sliding_window", "window": 4}, "ffn": MOE_FFN},
+                           "MixtralForCausalLM"),
+    "mla-moe": ({**TINY, "mixer": {"name": "mla", "q_lora_rank": 12, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                                   "qk_nope_head_dim": 8, "v_head_dim": 6, "rope_interleave": True},
+                 "ffn": {**MOE_FFN, "scoring": "sigmoid", "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                         "routed_scaling_factor": 2.5, "first_k_dense": 1, "dense_d_ff": 48}},
+                "DeepseekV3ForCausalLM"),
+    "gdn-moe": ({**TINY, "position": {"name": "none"},
+                 "mixer": {"name": "gated_deltanet", "n_heads": 2, "n_v_heads": 4, "head_dim": 8, "v_head_dim": 6},
+                 "ffn": {**MOE_FFN, "shared_d_ff": 24, "shared_expert_gate": True, "first_k_dense": 1}},
+                "Qwen3NextForCausalLM"),
+    "gdn-dense": ({**TINY, "mixer": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8}}, "Qwen3NextForCausalLM"),
+}
+
+
+def our_model(section: dict, seed: int = 0) -> DecoderLM:
+    torch.manual_seed(seed)
+    model = DecoderLM(section, vocab_size=V).eval()
+    widen(model, seed)
+    for b in model.blocks:  # DeepSeek-V3's selection bias travels too
+        if section["ffn"].get("scoring") == "sigmoid" and hasattr(b.ffn, "expert_bias"):
+            b.ffn.expert_bias.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(EXPORT_CASES))
+def test_export_round_trip(case, tmp_path):
+    section, cls = EXPORT_CASES[case]
+    ours = our_model(section)
+    hf.export_model(ours, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [cls]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == cls
+    idx = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours(idx)
+    got = hf_forward(theirs, idx)
+    assert want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    # greedy decoding picks the same tokens (all-linear Qwen3-Next: transformers' cache needs an attention layer)
+    theirs.generation_config.eos_token_id = None
+    prompt = idx[:, :5]
+    ref = theirs.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                          use_cache=cls != "Qwen3NextForCausalLM")
+    assert torch.equal(ours.generate(prompt, 8, temperature=0.0), ref)
+    # and back: importing the export gives the same tensors
+    again = import_dir(tmp_path)
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v, atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- refusals, one line each
+
+
+def one_line(err: pytest.ExceptionInfo, *needles: str) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("section,needles", [
+    ({**TINY, "mixer": {"name": "linear_attention"}}, ["model.mixer.name", "linear_attention"]),
+    ({**TINY, "mixer": {"name": "deltanet"}}, ["model.mixer.name", "deltanet"]),
+    ({**TINY, "mixer": {"name": "nsa", "block_size": 4, "block_counts": 3, "window": 4}}, ["model.mixer.name", "nsa"]),
+    ({**TINY, "mixer": {"name": "moba", "block_size": 4, "topk": 2}}, ["model.mixer.name", "moba"]),
+    ({**TINY, "position": {"name": "alibi"}}, ["model.position.name", "alibi"]),
+    ({**TINY, "position": {"name": "learned"}}, ["model.position.name"]),
+    ({**TINY, "norm": {"name": "layernorm"}}, ["model.norm.name", "layernorm"]),
+    ({**TINY, "norm_position": "post"}, ["model.norm_position", "post"]),
+    ({**TINY, "mixer": {"name": "gqa", "conv_size": 3}}, ["model.mixer.conv_size"]),
+    ({**TINY, "ffn": {"name": "mlp"}}, ["model.ffn.name", "mlp"]),
+    ({**TINY, "position": {"name": "rope", "rotary_fraction": 0.5}}, ["model.position.rotary_fraction"]),
+    ({**TINY, "pattern": ["gated_deltanet", "gqa"]}, ["model.pattern", "q/k RMSNorm"]),
+    ({**TINY, "ffn": {**MOE_FFN, "scoring": "sigmoid"}}, ["model.ffn.scoring", "Mixtral"]),
+    ({**TINY, "ffn": {**MOE_FFN, "n_shared_experts": 1}}, ["model.ffn.n_shared_experts", "Mixtral"]),
+    ({**TINY, "mixer": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8}, "ffn": MOE_FFN},
+     ["model.ffn.shared_expert_gate", "Qwen3-Next"]),
+])
+def test_export_refusals(section, needles, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        hf.export_model(DecoderLM(section, vocab_size=V), tmp_path / "out")
+    one_line(err, *needles, "no transformers architecture")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def _config_json(tmp_path, config) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("make,needles", [
+    (lambda: transformers.Qwen3Config(**COMMON), ["model_type", "q_norm"]),
+    (lambda: transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}),
+     ["layer_types", "full_attention", "output gate"]),
+    (lambda: transformers.LlamaConfig(**COMMON, hidden_act="gelu"), ["hidden_act", "gelu"]),
+    (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                  "factor": 2.0}),
+     ["rope_type", "yarn"]),
+    (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
+    (lambda: transformers.GPT2Config(), ["model_type", "gpt2"]),
+    (lambda: {"model_type": "mamba"}, ["model_type", "mamba", "allowed: llama"]),
+])
+def test_import_refusals(make, needles):
+    with pytest.raises(ConfigError) as err:
+        hf.config_from_hf(make())
+    one_line(err, *needles, "config.json:")
+
+
+def test_import_refuses_unused_tensors_and_bad_dirs(tmp_path):
+    ref = HF_CASES["llama-gqa"]()
+    ref.save_pretrained(tmp_path / "m")
+    section = hf.config_from_hf(hf.read_hf_config(tmp_path / "m"))
+    sd = hf.read_hf_state_dict(tmp_path / "m")
+    sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)  # a Qwen3-style tensor attnzoo has no place for
+    with pytest.raises(ConfigError) as err:
+        hf.load_hf_weights(DecoderLM(resolve_model(section, vocab_size=V)), sd)
+    one_line(err, "model.init_from", "q_norm")
+    with pytest.raises(ConfigError) as err:
+        hf.read_hf_config(tmp_path / "nope")
+    one_line(err, "model.init_from", "not a directory")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        hf.safetensors_files(tmp_path / "bin")
+    one_line(err, "model.init_from", "pytorch_model.bin")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+SAMPLE = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\tünïcode ✓"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_tokenizer_export_reads_back_with_autotokenizer(kind, tmp_path):
+    from attnzoo.data.tokenizer import BPETokenizer, CharTokenizer
+
+    text = SAMPLE * 20
+    tok = CharTokenizer.train(text[:-3]) if kind == "char" else BPETokenizer.train(text, 300)  # char: '✓' unknown
+    eos = hf.write_tokenizer(tok, tmp_path, 64)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode(SAMPLE, add_special_tokens=False) == tok.encode(SAMPLE)
+    assert eos == 0 and auto.eos_token_id == 0
+    ids = tok.encode(SAMPLE[:-2])
+    assert auto.decode(ids) == tok.decode(ids)
+
+
+# ----------------------------------------------------------------------------- model.init_from through train()
+
+
+def _init_overrides(src, out, steps=4):
+    return [f"model.init_from={src}", "debug=smoke", "data=mqar", f"data.vocab_size={V}", "data.train_size=64",
+            "data.val_size=16", f"trainer.max_steps={steps}", "trainer.val_check_interval=2",
+            "perf.measure_decode=false",
+            "sample.max_new_tokens=0", "logger=csv", f"paths.output_dir={out}"]
+
+
+def test_init_from_trains_from_the_imported_weights_then_exports(tmp_path):
+    """model.init_from=DIR through train(): the model built for training equals the transformers model
+    (logits and first-batch loss), a few steps run, and the run exports back to a transformers directory."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from attnzoo.train import build_module, prepare_data, train
+    from attnzoo.validation import validate
+
+    ref = HF_CASES["llama-gqa"]().eval()
+    widen(ref)
+    src = save_hf(ref, tmp_path / "hf")
+    cfg = hf.apply_init_from(compose_cfg(_init_overrides(src, tmp_path / "run")), overrides=[])
+    assert cfg.model.n_layers == 2 and cfg.model.d_model == 32 and cfg.model.mixer.name == "gqa"
+
+    # the model train() builds, before any step: the transformers model's logits and loss
+    parts = validate(cfg)
+    container = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
+    L.seed_everything(parts["run"].seed, verbose=False)
+    dm, _ = prepare_data(parts, container)
+    _, lit = build_module(container, dm, parts["run"])
+    x, y, mask = next(iter(dm.val_dataloader()))[:3]
+    with torch.no_grad():
+        got, want = lit.model(x), hf_forward(ref, x)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    ce = F.cross_entropy(want.view(-1, V), y.reshape(-1), reduction="none")
+    hf_loss = (ce * mask.reshape(-1)).sum() / mask.sum()
+    torch.testing.assert_close(lit._loss((x, y, mask))[0], hf_loss, atol=1e-5, rtol=1e-5)
+
+    # then training proceeds as usual
+    metrics = train(compose_cfg(_init_overrides(src, tmp_path / "run")))
+    assert metrics["params/total"] == sum(p.numel() for p in ref.parameters())
+    rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "metrics.csv")))
+    assert any(r.get("train/loss") for r in rows)
+
+    # and the fine-tuned run goes back to transformers (synthetic data: no tokenizer, weights and config)
+    hf.main([str(tmp_path / "run"), str(tmp_path / "export")])
+    model, tokenizer, _ = hf.load_run_model(tmp_path / "run")
+    assert tokenizer is None and not (tmp_path / "export" / "tokenizer.json").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_forward(back, x), model(x), atol=ATOL, rtol=RTOL)
+        assert not torch.allclose(model(x), want)  # the steps changed the weights
+
+
+def test_init_from_refusals(tmp_path):
+    ref = HF_CASES["llama-gqa"]()
+    src = save_hf(ref, tmp_path / "hf")
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:  # a command-line override that contradicts config.json
+        hf.apply_init_from(compose_cfg(_init_overrides(src, out) + ["model.n_layers=3"]),
+                           overrides=["model.n_layers=3"])
+    one_line(err, "model.n_layers", "contradicts")
+    with pytest.raises(ConfigError) as err:  # a model preset would be silently replaced
+        hf.apply_init_from(compose_cfg(_init_overrides(src, out) + ["model=moe"]), overrides=["model=moe"])
+    one_line(err, "model=moe", "init_from")
+    knob = hf.apply_init_from(compose_cfg(_init_overrides(src, out) + ["model.ffn.multiple_of=16"]),
+                              overrides=["model.ffn.multiple_of=16"])  # keys config.json does not set: applied
+    assert knob.model.ffn.multiple_of == 16 and knob.model.ffn.d_ff == 64
+    again = hf.apply_init_from(knob, overrides=[])  # a derived config (a DDP worker's) is kept as it is
+    assert again is knob and again.model.ffn.multiple_of == 16
+    from attnzoo.train import train
+
+    with pytest.raises(ConfigError) as err:  # a path that does not exist, before any work
+        train(compose_cfg(_init_overrides(tmp_path / "missing", out)))
+    one_line(err, "model.init_from", "not a directory")
+    assert not out.exists()
+    with pytest.raises(ConfigError) as err:  # the data's vocabulary must be the imported model's
+        train(compose_cfg(_init_overrides(src, out) + ["data.vocab_size=128"]))
+    one_line(err, "model.init_from", "vocab_size=97")
+
+
+def test_export_cli_text_run_with_its_tokenizer(tmp_path):
+    """attnzoo-export on a char-level text run: AutoTokenizer encodes as the run does, AutoModelForCausalLM
+    gives the run's logits."""
+    import attnzoo
+    from attnzoo.train import train
+
+    out = tmp_path / "run"
+    train(compose_cfg(["debug=smoke", "data.tokenizer=char", "data.max_chars=20000", "model.n_layers=2",
+                       "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.measure_decode=false",
+                       "sample.max_new_tokens=0", "logger=csv", f"paths.output_dir={out}"]))
+    hf.main([str(out), str(tmp_path / "export")])
+    run = attnzoo.load(out)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    text = "def fib(n):\n    return n"
+    assert tok.encode(text, add_special_tokens=False) == run.encode(text)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    x = torch.tensor([run.encode(text)])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_forward(theirs, x), run.model(x), atol=ATOL, rtol=RTOL)
+    with pytest.raises(SystemExit) as err:  # a non-empty output dir is refused (exit 2), nothing overwritten
+        hf.main([str(out), str(tmp_path / "export")])
+    assert err.value.code == 2
