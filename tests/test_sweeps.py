@@ -103,6 +103,9 @@ def test_mixers_smoke_sweep_and_report(tmp_path):
         for key in ("val/acc", "val/loss", "perf/tokens_per_sec", "cache/bytes_per_token", "params/total"):
             assert float(row[key]) == summary["metrics"][key], key  # exact: the CSV keeps full precision
         assert row["mixer"] == summary["model"]["mixers"][0]
+        # what each layer really was, from summary.json (2 layers of 32 wide, 4 heads of 8; GQA's 2 KV heads)
+        expect = {"gqa": "2x gqa h4 kv2 d8 conv4", "deltanet": "2x deltanet n_qk_heads=4 n_v_heads=4 qk_dim=8 v_dim=8 state_shape=8x8 conv4"}[row["mixer"]]
+        assert row["layers"].startswith(expect), row["layers"]
     assert {r["mixer"] for r in rows} == {"gqa", "deltanet"}
     # best of two learning rates: one row per mixer, the better val/acc of its two jobs
     assert len(rep["best"]) == 2

@@ -199,10 +199,10 @@ def write_csv(jobs: list[dict], path: Path) -> None:
     cols = metric_columns(jobs)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["job", "status", "overrides", "mixer", "lr", *cols, "global_step", "wall_seconds", "error"])
+        w.writerow(["job", "status", "overrides", "mixer", "layers", "lr", *cols, "global_step", "wall_seconds", "error"])
         for j in jobs:
             m = j["metrics"]
-            w.writerow([j["job"], j["status"], " ".join(j["overrides"]), j["mixer"], _raw(j["lr"]),
+            w.writerow([j["job"], j["status"], " ".join(j["overrides"]), j["mixer"], layers_text(j), _raw(j["lr"]),
                         *[_raw(m.get(c)) for c in cols], _raw(j["summary"].get("global_step")),
                         _raw(j["summary"].get("wall_seconds")), j["error"]])
 
@@ -210,6 +210,25 @@ def write_csv(jobs: list[dict], path: Path) -> None:
 def _raw(v: Any) -> str:
     """Full precision (repr round-trips a float exactly), so the CSV equals summary.json."""
     return "" if v is None else repr(v) if isinstance(v, float) else str(v)
+
+
+_SHAPE_ABBREV = {"n_heads": "h", "n_kv_heads": "kv", "head_dim": "d", "window": "W", "conv": "conv"}
+
+
+def layers_text(j: dict) -> str:
+    """What the job's layers really were (summary.json's per-layer shapes), compact: runs of equal layers
+    as `4x gqa h4 kv2 d32`, joined by ' + ' in stack order."""
+    layers = ((j.get("summary") or {}).get("model") or {}).get("layers") or []
+    runs: list[list] = []
+    for shape in layers:
+        desc = " ".join([str(shape.get("mixer", "?"))] + [
+            f"{_SHAPE_ABBREV.get(k, k + '=')}{'x'.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in shape.items() if k != "mixer"])
+        if runs and runs[-1][1] == desc:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, desc])
+    return " + ".join(f"{n}x {d}" for n, d in runs)
 
 
 def _fmt(v: Any) -> str:
@@ -223,11 +242,13 @@ def _fmt(v: Any) -> str:
 
 
 def markdown_table(rows: list[dict], cols: list[str], extra: list[tuple[str, Any]] = ()) -> str:
-    head = ["job", "variant" if extra else "overrides", "mixer", "status", *[h for h, _ in extra], *cols]
+    """The best-of-lr table (`extra` columns) or the all-jobs table (with each job's built layers)."""
+    extra = list(extra) or [("layers", layers_text)]
+    head = ["job", "variant" if extra[0][0] != "layers" else "overrides", "mixer", "status", *[h for h, _ in extra], *cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in rows:
         status = j["status"] if j["status"] == "ok" else f"**{j['status'].upper()}**"
-        cells = [j["job"], (j["variant"] if extra else j["label"]).replace("|", "\\|"), j["mixer"], status,
+        cells = [j["job"], (j["variant"] if extra[0][0] != "layers" else j["label"]).replace("|", "\\|"), j["mixer"], status,
                  *[_fmt(fn(j)) for _, fn in extra], *[_fmt(j["metrics"].get(c)) for c in cols]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -582,14 +603,14 @@ def _sweep_command(root: Path) -> str:
 
 
 def _html_table(rows: list[dict], cols: list[str], best: bool, table_id: str) -> str:
-    head = ["job", "variant" if best else "overrides", "mixer", "status"] + (["best lr", "lrs"] if best else []) + cols
-    out = [f"<input class='filter' data-table='{table_id}' placeholder='filter rows: any text, e.g. gqa or N=16'/>",
+    head = ["job", "variant" if best else "overrides", "mixer", "status"] + (["best lr", "lrs"] if best else ["layers"]) + cols
+    out = [f"<input class='filter' data-table='{table_id}' placeholder='filter rows: any text, e.g. gqa or num_kv_pairs=16'/>",
            f"<table id='{table_id}'><thead><tr>" + "".join(f"<th title='click to sort'>{html.escape(h)}</th>" for h in head)
            + "</tr></thead><tbody>"]
     for j in rows:
         cls = "" if j["status"] == "ok" else " class='failed'"
         cells = [j["job"], j["variant"] if best else j["label"], j["mixer"], j["status"]]
-        cells += [_fmt(j["lr"]), str(j["n_lr"])] if best else []
+        cells += [_fmt(j["lr"]), str(j["n_lr"])] if best else [layers_text(j)]
         vals = [None] * len(cells) + [j["metrics"].get(c) for c in cols]
         spread = j.get("spread", {}) if best else {}
         cells += [_fmt(j["metrics"].get(c)) + (f" ± {_fmt(spread[c])}" if c in spread else "") for c in cols]
