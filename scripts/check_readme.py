@@ -8,6 +8,10 @@
   several nodes): the config is composed and validated exactly as `attnzoo-train` would before starting
   (every value checked), but nothing is launched.
 - `bash scripts/setup.sh && X`: X (setup is what CI has just done); the test command itself is not rerun.
+- `attnzoo-train experiment=linearize ...`: as any training command, with one step per stage
+  (`linearize.stage1_steps=1 linearize.stage2_steps=1`: the experiment sets max_steps from them).
+- `attnzoo-lm-eval ... --model_args path=outputs/train/<run>,... --tasks ...`: on the last text run, the tasks
+  replaced by one local multiple-choice task (offline; the harness's own tasks download from the hub).
 - `attnzoo-export outputs/train/<run> OUT`: exports the last decoder LM trained on text above (like
   `attnzoo-generate` / `attnzoo-eval`); OUT under `~` lands in the temp home, where a later
   `attnzoo-train 'model.init_from="~/..."'` reads it.
@@ -100,7 +104,8 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         where = f"hydra.sweep.dir={tmp}/train{n}" if multirun else f"hydra.run.dir={tmp}/train{n}"
         if not multirun and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args):
             sweep_dirs["<run>"] = tmp / f"train{n}"  # a decoder LM on text: what attnzoo-generate / -eval use
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.train", *args, *SMOKE, where],
+        stages = ["linearize.stage1_steps=1", "linearize.stage2_steps=1"] if "experiment=linearize" in args else []
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.train", *args, *SMOKE, *stages, where],
                                      env=env, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-sweep":
         name, rest = args[0], args[1:]
@@ -137,6 +142,26 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         args = [str(run_dir) if "<run>" in a else a for a in args]
         return "ran", subprocess.run([sys.executable, "-m", "attnzoo.hf", *args], env=env, capture_output=True,
                                      text=True, timeout=600)
+    if tool == "attnzoo-lm-eval":  # the README's last text run; the hub tasks replaced by one local task
+        run_dir = sweep_dirs.get("<run>")
+        if run_dir is None:
+            return "failed: no earlier README training run to use", None
+        tasks = tmp / "lm_eval_tasks"
+        tasks.mkdir(exist_ok=True)
+        (tasks / "mc.jsonl").write_text('{"question": "import", "choices": [" os", "@@@"], "label": 0}\n'
+                                        '{"question": "def f(x)", "choices": [":", "))"], "label": 0}\n')
+        (tasks / "mc.yaml").write_text(
+            "task: readme_smoke_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {tasks / 'mc.jsonl'}\n  cache_dir: {tmp / 'hf_cache'}\ntest_split: test\n"
+            "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+            "doc_to_target: \"{{label}}\"\nmetric_list:\n  - metric: acc\n")
+        args = [a.replace("outputs/train/<run>", str(run_dir)) for a in args]
+        i = args.index("--tasks")
+        args[i + 1] = "readme_smoke_mc"
+        offline = {**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        return "ran (a local task)", subprocess.run(
+            [sys.executable, "-m", "attnzoo.lm_eval_adapter", *args, "--include_path", str(tasks),
+             "--output_path", str(tmp / "lm_eval_out")], env=offline, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-bench":
         return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),
                                                 *args, "--quick"], env=env, capture_output=True, text=True, timeout=600)
