@@ -36,6 +36,10 @@ def test_every_option_composes_validates_and_builds(group, option, tmp_path):
     elif group == "data" and option in SEQ2SEQ_DATA:
         extra = ["model=encdec"]
     cfg = compose_cfg([f"{group}={option}", *extra, "debug=smoke"] if group != "debug" else [f"debug={option}"], tmp_path)
+    if (group, option) == ("experiment", "linearize"):  # needs model.init_from (tests/test_linearize.py runs it)
+        with pytest.raises(ConfigError, match="^model.init_from: experiment=linearize needs"):
+            validate(cfg)
+        return
     parts = validate(cfg)
     family = family_of(parts["model"])
     model = family.build_model(parts["model"], 64)

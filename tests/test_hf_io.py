@@ -49,6 +49,12 @@ HF_CASES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
     "qwen2-mqa": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**COMMON,
                                                                                    "num_key_value_heads": 1})),
+    "qwen3-gqa": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=8)),
+    "qwen3-mqa-bias-tied": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **{**COMMON, "num_key_value_heads": 1, "tie_word_embeddings": True}, head_dim=8, attention_bias=True)),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
+        **MOE)),
     "mistral-swa4": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=4)),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **COMMON, num_local_experts=4, num_experts_per_tok=2, **MOE)),
@@ -63,6 +69,16 @@ HF_CASES = {
         **COMMON, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
         layer_types=["linear_attention"] * 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=24, mlp_only_layers=[0], **MOE)),
+    # hybrids: gated attention layers (q/k norm, output gate, partial rotary) between the GDN layers
+    "qwen3_next-hybrid": lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, num_experts=0)),  # layer_types: 3 linear, 1 full
+    "qwen3_next-hybrid-moe-bias": lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **{**COMMON, "num_key_value_heads": 1}, head_dim=8, attention_bias=True, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["full_attention", "linear_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[0],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **MOE)),
 }
 
 
@@ -94,6 +110,27 @@ def test_import_logits_equal_transformers(case, tmp_path):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("case", ["qwen3-gqa", "qwen3_next-hybrid"])
+def test_import_cached_decode_equals_transformers(case, tmp_path):
+    """q/k norms and Qwen3-Next's gated attention through the caches: prefill 9 tokens, then decode 7 one at
+    a time on both sides (transformers with its own cache: KV for attention, conv + recurrent state for GDN)."""
+    from tests.test_hf_parity_attention import CACHE_KW, hf_cache
+
+    ref = HF_CASES[case]().eval()
+    widen(ref)
+    ours = import_dir(save_hf(ref, tmp_path / case))
+    idx = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = ref(input_ids=idx[:, :9], use_cache=True)
+        want = [out.logits]
+        for t in range(9, 16):
+            out = ref(input_ids=idx[:, t: t + 1], use_cache=True, **{CACHE_KW: hf_cache(out)})
+            want.append(out.logits)
+        cache = ours.new_cache(1, 16)
+        got = [ours(idx[:, :9], cache=cache)] + [ours(idx[:, t: t + 1], cache=cache) for t in range(9, 16)]
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=ATOL, rtol=RTOL)
+
+
 def test_sharded_checkpoint_is_read(tmp_path):
     ref = HF_CASES["llama-gqa"]().eval()
     widen(ref)
@@ -115,6 +152,12 @@ EXPORT_CASES = {  # name -> (attnzoo model section, the transformers class it be
     "mqa-qkv_bias": ({**TINY, "mixer": {"name": "mqa", "qkv_bias": True}}, "Qwen2ForCausalLM"),
     "sliding_window": ({**TINY, "mixer": {"name": "sliding_window", "window": 3}}, "MistralForCausalLM"),
     "gqa-moe": ({**TINY, "ffn": MOE_FFN}, "MixtralForCausalLM"),
+    "gqa-qknorm": ({**TINY, "mixer": {"name": "gqa", "qk_norm": True}}, "Qwen3ForCausalLM"),
+    "mha-qknorm-bias-tied": ({**TINY, "mixer": {"name": "mha", "qk_norm": True, "qkv_bias": True, "out_bias": True},
+                              "tie_embeddings": True}, "Qwen3ForCausalLM"),
+    "gqa-qknorm-moe": ({**TINY, "mixer": {"name": "gqa", "qk_norm": True},
+                        "ffn": {**MOE_FFN, "norm_topk_prob": False, "first_k_dense": 1, "dense_d_ff": 48}},
+                       "Qwen3MoeForCausalLM"),
     "sliding_window-moe": ({**TINY, "mixer": {"name": "sliding_window", "window": 4}, "ffn": MOE_FFN},
                            "MixtralForCausalLM"),
     "mla-moe": ({**TINY, "mixer": {"name": "mla", "q_lora_rank": 12, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
@@ -127,6 +170,18 @@ EXPORT_CASES = {  # name -> (attnzoo model section, the transformers class it be
                  "ffn": {**MOE_FFN, "shared_d_ff": 24, "shared_expert_gate": True, "first_k_dense": 1}},
                 "Qwen3NextForCausalLM"),
     "gdn-dense": ({**TINY, "mixer": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8}}, "Qwen3NextForCausalLM"),
+    "gdn-gqa-hybrid": ({**TINY, "n_layers": 4, "pattern": ["gdn", "gdn", "gdn", "attn"],
+                        "position": {"name": "rope", "rotary_fraction": 0.25},
+                        "mixers": {"gdn": {"name": "gated_deltanet", "n_heads": 2, "n_v_heads": 4, "head_dim": 8,
+                                           "v_head_dim": 6},
+                                   "attn": {"name": "gqa", "qk_norm": True, "output_gate": True}}},
+                       "Qwen3NextForCausalLM"),
+    "mqa-gdn-hybrid-bias-moe": ({**TINY, "pattern": ["attn", "gdn"], "position": {"name": "rope", "rotary_fraction": 0.5},
+                                 "mixers": {"gdn": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8},
+                                            "attn": {"name": "mqa", "qk_norm": True, "output_gate": True,
+                                                     "qkv_bias": True, "out_bias": True}},
+                                 "ffn": {**MOE_FFN, "shared_d_ff": 24, "shared_expert_gate": True, "first_k_dense": 1}},
+                                "Qwen3NextForCausalLM"),
 }
 
 
@@ -158,7 +213,7 @@ def test_export_round_trip(case, tmp_path):
     theirs.generation_config.eos_token_id = None
     prompt = idx[:, :5]
     ref = theirs.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                          use_cache=cls != "Qwen3NextForCausalLM")
+                          use_cache=cls != "Qwen3NextForCausalLM" or bool(section.get("pattern")))
     assert torch.equal(ours.generate(prompt, 8, temperature=0.0), ref)
     # and back: importing the export gives the same tensors
     again = import_dir(tmp_path)
@@ -189,7 +244,16 @@ def one_line(err: pytest.ExceptionInfo, *needles: str) -> str:
     ({**TINY, "mixer": {"name": "gqa", "conv_size": 3}}, ["model.mixer.conv_size"]),
     ({**TINY, "ffn": {"name": "mlp"}}, ["model.ffn.name", "mlp"]),
     ({**TINY, "position": {"name": "rope", "rotary_fraction": 0.5}}, ["model.position.rotary_fraction"]),
-    ({**TINY, "pattern": ["gated_deltanet", "gqa"]}, ["model.pattern", "q/k RMSNorm"]),
+    ({**TINY, "pattern": ["gated_deltanet", "gqa"]}, ["model.mixers.gqa.qk_norm", "Qwen3-Next"]),
+    ({**TINY, "pattern": ["gated_deltanet", "sliding_window"]}, ["model.pattern", "Qwen3-Next"]),
+    ({**TINY, "mixer": {"name": "gqa", "qk_norm": True, "output_gate": True}}, ["model.mixer.output_gate"]),
+    ({**TINY, "position": {"name": "rope", "rotary_fraction": 0.25}, "pattern": ["gdn", "attn"],
+      "mixers": {"gdn": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8},
+                 "attn": {"name": "gqa", "qk_norm": True}}}, ["model.mixers.attn.output_gate", "Qwen3-Next"]),
+    ({**TINY, "mixer": {"name": "sliding_window", "window": 4, "qk_norm": True}}, ["model.mixer.qk_norm", "Qwen3"]),
+    ({**TINY, "mixer": {"name": "gqa", "qk_norm": True, "qkv_bias": True}}, ["model.mixer.out_bias", "Qwen3"]),
+    ({**TINY, "mixer": {"name": "gqa", "qk_norm": True}, "ffn": {**MOE_FFN, "n_shared_experts": 1}},
+     ["model.ffn.n_shared_experts", "Qwen3-MoE"]),
     ({**TINY, "ffn": {**MOE_FFN, "scoring": "sigmoid"}}, ["model.ffn.scoring", "Mixtral"]),
     ({**TINY, "ffn": {**MOE_FFN, "n_shared_experts": 1}}, ["model.ffn.n_shared_experts", "Mixtral"]),
     ({**TINY, "mixer": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8}, "ffn": MOE_FFN},
@@ -209,9 +273,10 @@ def _config_json(tmp_path, config) -> str:
 
 
 @pytest.mark.parametrize("make,needles", [
-    (lambda: transformers.Qwen3Config(**COMMON), ["model_type", "q_norm"]),
-    (lambda: transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}),
-     ["layer_types", "full_attention", "output gate"]),
+    (lambda: transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
+    (lambda: transformers.Qwen3MoeConfig(**COMMON, num_experts=4, mlp_only_layers=[1]), ["mlp_only_layers"]),
+    (lambda: transformers.Qwen3NextConfig(**COMMON, layer_types=["full_attention"] * 2),
+     ["layer_types", "full_attention"]),
     (lambda: transformers.LlamaConfig(**COMMON, hidden_act="gelu"), ["hidden_act", "gelu"]),
     (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                                   "factor": 2.0}),

@@ -1,7 +1,7 @@
 """Parity of the attention zoo with transformers' mature implementations (tiny random-init models).
 
-GQA vs LlamaForCausalLM, sliding window vs MistralForCausalLM, MLA vs DeepseekV3ForCausalLM (its attention
-is DeepseekV3Attention): our weights are copied from the HF model, then logits (full forward and cached
+GQA vs LlamaForCausalLM, GQA with per-head q/k RMSNorm (`qk_norm`) vs Qwen3ForCausalLM, sliding window vs
+MistralForCausalLM, MLA vs DeepseekV3ForCausalLM (its attention is DeepseekV3Attention): our weights are copied from the HF model, then logits (full forward and cached
 decode) must agree to 1e-5 in fp32 and greedy generation must pick identical tokens.
 Mapping: our QKV projection is fused [q | k | v]; our SwiGLU gate_up is fused [gate | up].
 """
@@ -70,6 +70,9 @@ def copy_attention(ours: DecoderLM, hf) -> None:
         a = layer.self_attn
         block.mixer.qkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0))
         block.mixer.o_proj.weight.copy_(a.o_proj.weight)
+        if getattr(a, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm of q and k, weights of size head_dim
+            block.mixer.q_norm.weight.copy_(a.q_norm.weight)
+            block.mixer.k_norm.weight.copy_(a.k_norm.weight)
 
 
 @torch.no_grad()
@@ -100,6 +103,11 @@ def hf_llama(attn):
     return build_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig(**hf_common()), attn)
 
 
+def hf_qwen3(attn):
+    config = transformers.Qwen3Config(**hf_common(), head_dim=D // H)  # Qwen3's head_dim defaults to 128
+    return build_hf(transformers.Qwen3ForCausalLM, config, attn)
+
+
 def hf_mistral(attn, window):
     return build_hf(transformers.MistralForCausalLM, transformers.MistralConfig(**hf_common(), sliding_window=window), attn)
 
@@ -117,6 +125,8 @@ def hf_deepseek(attn, q_lora_rank, interleave):
 CASES = {
     "gqa-llama-eager": (lambda: hf_llama("eager"), {"name": "gqa"}, copy_attention),
     "gqa-llama-sdpa": (lambda: hf_llama("sdpa"), {"name": "gqa"}, copy_attention),
+    "gqa-qknorm-qwen3-eager": (lambda: hf_qwen3("eager"), {"name": "gqa", "qk_norm": True}, copy_attention),
+    "gqa-qknorm-qwen3-sdpa": (lambda: hf_qwen3("sdpa"), {"name": "gqa", "qk_norm": True}, copy_attention),
     "swa5-mistral-sdpa": (lambda: hf_mistral("sdpa", 5), {"name": "sliding_window", "window": 5}, copy_attention),
     "swa3-mistral-eager": (lambda: hf_mistral("eager", 3), {"name": "sliding_window", "window": 3}, copy_attention),
     "mla-deepseek-interleave": (

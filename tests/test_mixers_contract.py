@@ -1,9 +1,12 @@
 """Every registered mixer, with its default config on a tiny model and again with a short conv
-(`conv_size=3`: on the input for attention mixers, on q/k/v for the recurrent ones), honours the mixer
-contract: cached decode == full forward, chunked prefill == full forward, measured cache bytes ==
+(`conv_size=3`: on the input for attention mixers, on q/k/v for the recurrent ones), and every mixer with a
+`qk_norm` option again with it on (per-head q/k RMSNorm, `+qknorm`) and with Qwen3-Next's gated form
+(`qk_norm` and `output_gate`, `+gated`), honours the mixer contract: cached decode == full forward, chunked prefill == full forward, measured cache bytes ==
 analytic, causality, reference == fast form. New mixers are picked up from the registry automatically.
 Equivalence is checked in float64 (the forms differ only in summation order, so fp32 rounding would
 need a tolerance that hides real bugs)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,14 +14,18 @@ from attnzoo.model import DecoderLM
 from attnzoo.registry import MIXERS
 from tests.conftest import tiny_model_cfg
 
-# every mixer as configured by default, and every mixer with a short conv of kernel 3
-MIXER_NAMES = MIXERS.names() + [f"{n}+conv3" for n in MIXERS.names()]
+# every mixer as configured by default, every mixer with a short conv of kernel 3, and q/k norm where offered
+QK_NORM = [n for n in MIXERS.names() if "qk_norm" in {f.name for f in dataclasses.fields(MIXERS.get(n).config_cls)}]
+MIXER_NAMES = (MIXERS.names() + [f"{n}+conv3" for n in MIXERS.names()] + [f"{n}+qknorm" for n in QK_NORM]
+               + [f"{n}+gated" for n in QK_NORM])
 V = 64
 
 
 def mixer_cfg(name: str) -> dict:
-    base, _, conv = name.partition("+conv")
-    return {"name": base, "conv_size": int(conv)} if conv else {"name": base}
+    base, _, variant = name.partition("+")
+    if variant in ("qknorm", "gated"):
+        return {"name": base, "qk_norm": True, "output_gate": variant == "gated"}
+    return {"name": base, "conv_size": int(variant.removeprefix("conv"))} if variant else {"name": base}
 
 
 def build(name: str, seed: int = 0, **kw) -> DecoderLM:

@@ -5,7 +5,8 @@ Hydra composes plain yaml from `conf/`; `validate()` then merges every section i
 Mixer, FFN and data sections are polymorphic (tagged by `name`): their schema is the dataclass that the
 named class registered. Every failure is a `ConfigError` whose message is one line naming the field and
 what is allowed; `attnzoo-train` prints it and exits with status 2 before any work is done.
-The schemas are also stored in Hydra's ConfigStore (group `schema`) so `--info` style tooling can list them.
+The top-level schemas are also stored in Hydra's ConfigStore (no group, so `--help` lists only real config
+groups: `attnzoo_train_schema`, `attnzoo_model_schema`) for tooling.
 """
 from __future__ import annotations
 
@@ -173,6 +174,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    linearize: Any = None  # experiment=linearize: attnzoo.linearize.LinearizeConfig (checked by validate)
 
 
 def _store_schemas() -> None:

@@ -146,7 +146,7 @@ def encoder_self_attention(attn: Attention, x, positions, key_mask) -> torch.Ten
     q, k, v = attn.project(x, positions)
     y = padded_attention(q, k, v, key_mask, scale=attn.scale, reference=attn.impl == "reference",
                          dropout_p=attn.dropout if attn.training else 0.0)
-    return attn.o_proj(_merge_heads(y))
+    return attn.output(y, x)
 
 
 class CrossAttention(nn.Module):

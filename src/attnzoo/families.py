@@ -80,7 +80,7 @@ def embedding_params(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-# ----------------------------------------------------------------------------- the three families so far
+# ----------------------------------------------------------------------------- the families so far
 def _lm_metrics(data_cfg: Any) -> list:
     return ["val/loss", "val/ppl"] + ([] if getattr(data_cfg, "name", "text") == "text" else ["val/acc"])
 
@@ -126,6 +126,18 @@ register_family(Family(
     name="decoder", model_names=(), build_model=_decoder_model, build_lit=_decoder_lit,
     accepts=lambda d: d.name not in SEQ2SEQ_DATA, data_help="text or a synthetic LM task (mqar, copying, ...)",
     metrics=_lm_metrics, decoder_only=True,
+))
+def _linearize_lit(container, model_cfg, dm):
+    from .linearize import LitLinearize
+
+    return LitLinearize(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
+
+
+# experiment=linearize: a decoder LM (the student) distilled from the imported model it was planned from
+register_family(Family(
+    name="linearize", model_names=("linearize",), build_model=_decoder_model, build_lit=_linearize_lit,
+    accepts=lambda d: d.name not in SEQ2SEQ_DATA, data_help="text or a synthetic LM task (mqar, copying, ...)",
+    metrics=lambda d: _lm_metrics(d) + ["val/loss_teacher"], decoder_only=True,
 ))
 register_family(Family(
     name="encdec", model_names=("encdec",), build_model=_encdec_model, build_lit=_encdec_lit,

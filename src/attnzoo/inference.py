@@ -251,7 +251,7 @@ def eval_main(argv: list[str] | None = None) -> None:
         else:
             loader = run.datamodule.val_dataloader()
             source = f"the run's validation split (data={run.config['data'].get('name')})"
-        if family.name == "decoder":
+        if family.decoder_only:
             metrics = evaluate(run, loader, args.max_batches)
             # analytic cache bytes per token at the run's length, in the chosen format (kv_quant.KVFormat.kv_bytes)
             seq = run.config["data"]["seq_len"]
@@ -269,7 +269,7 @@ def eval_main(argv: list[str] | None = None) -> None:
                 run.lit, dataloaders=loader, verbose=False)
             metrics = {k: float(v) for k, v in res[0].items()}
         if args.context_lengths:
-            if family.name != "decoder":
+            if not family.decoder_only:
                 raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
             from .extrapolation import evaluate_lengths
             from .config import tagged

@@ -189,8 +189,22 @@ class TrainingModule(L.LightningModule):
             param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             fused="mixed" not in precision,
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def lr_multiplier(self):
+        """Optimizer step -> multiplier on optim.lr (scheduler.*; a subclass may shape it differently)."""
+        return lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model)
+
+    def summary_sections(self) -> dict:
+        """Extra top-level sections for summary.json (none here)."""
+        return {}
+
+    def load_pretrained(self, load, resuming: bool = False) -> None:
+        """model.init_from: `load(module)` fills a DecoderLM with the imported weights. Here: the model, unless a
+        checkpoint is about to give it its own (a subclass may load more, e.g. a frozen teacher, every time)."""
+        if not resuming:
+            load(self.model)
 
 
 class LitLM(TrainingModule):
@@ -254,13 +268,15 @@ class LitLM(TrainingModule):
         self._val = torch.zeros(3, device=self.device, dtype=torch.float64)
         self._val_has_mask = False
 
-    def validation_step(self, batch, batch_idx: int) -> None:
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Accumulates the batch's loss sums; returns its logits (a subclass compares them, e.g. linearize)."""
         _, total, count, logits = self._loss(batch, return_logits=True)
         correct = logits.argmax(-1) == batch[1]
         if len(batch) > 2:
             self._val_has_mask = True
             correct = correct & batch[2]
         self._val += torch.stack([total.double(), count.double(), correct.sum().double()])
+        return logits
 
     def on_validation_epoch_end(self) -> None:
         stats = self._reduce(self._val)

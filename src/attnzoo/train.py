@@ -138,6 +138,16 @@ def format_summary(summary: dict) -> str:
         kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
         lines.insert(-1, f"  kv-quant   {kv_dtype} cache: val loss {g('val/loss_kvq')} ({g('val/loss_kvq_delta', '{:+.4f}')} "
                          f"vs full precision)" + (f"   acc {g('val/acc_kvq')}" if "val/acc_kvq" in m else ""))
+    data = summary.get("data") or {}
+    if data.get("tokenizer_file"):  # model.init_from with a tokenizer.json: the text is in the model's own tokens
+        lines.insert(-1, f"  data       {data['name']} encoded with {data['tokenizer_file']} (the imported model's "
+                         f"tokenizer; vocab {summary['model']['vocab_size']:,})")
+    lin = summary.get("linearize")
+    if lin:  # experiment=linearize: what was replaced, and the student against its teacher
+        copied = sorted({p for parts in lin["copied"].values() for p in parts})
+        lines.insert(-1, f"  linearize  layers {lin['layers']} -> {','.join(sorted(set(lin['mixers'])))} (copied "
+                         f"{'/'.join(copied) or 'nothing'}); {lin['stage1_steps']} + {lin['stage2_steps']} steps; val "
+                         f"loss {g('val/loss')} vs teacher {g('val/loss_teacher')}")
     if summary.get("sample"):
         lines += ["  sample     " + repr(summary["sample"])[:400]]
     lines.append("=" * 72)
@@ -165,10 +175,12 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     `on_accept()` is called once the run is accepted (config valid, run dir free, resume compatible),
     before anything is written to the run dir (the CLI writes `.hydra/` there then)."""
     from .hf import apply_init_from
+    from .linearize import apply_linearize
     from .rundir import run_dir_lock
 
     t_start = time.perf_counter()
     cfg = apply_init_from(cfg)  # model.init_from: the model section from that transformers config.json
+    cfg = apply_linearize(cfg)  # experiment=linearize: that section becomes the student's (chosen layers linear)
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
@@ -245,10 +257,11 @@ def build_module(container: dict, dm, run):
 
     family = family_of(container["model"])
     lit = family.build_lit(container, resolve_model(container["model"], vocab_size=dm.vocab_size), dm)
-    if run.ckpt_path is None:  # model.init_from: start from the imported weights (a resume has its own)
+    if container["model"].get("init_from"):  # the imported weights (a resume has the model's own in its checkpoint)
         from .hf import init_weights_from
 
-        init_weights_from(lit.model, container["model"])
+        lit.load_pretrained(lambda module: init_weights_from(module, container["model"]),
+                            resuming=run.ckpt_path is not None)
     if run.compile:
         lit.compile_model()
     return family, lit
@@ -395,6 +408,7 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
                                                     if hasattr(m, "layer_shape")]},
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
+        **lit.summary_sections(),  # the module's own record (experiment=linearize: what was replaced)
         "seed": run.seed,
         "world_size": trainer.world_size,
         "sample": sample,

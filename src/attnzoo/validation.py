@@ -82,7 +82,7 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
     check(all(isinstance(L, int) and L >= 2 for L in lengths), "eval.context_lengths",
           f"got {lengths}; allowed: a list of lengths >= 2, e.g. [512, 1024]")
     check(ev.max_batches >= 1, "eval.max_batches", f"must be >= 1, got {ev.max_batches}")
-    if lengths and family_of(model).name != "decoder":
+    if lengths and not family_of(model).decoder_only:
         raise ConfigError(f"length evaluation is for decoder LMs; allowed with model={model.name}: []",
                           field="eval.context_lengths")
     if model.position.name == "learned":
@@ -98,7 +98,7 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
 
 def _check_blocks(model: ModelConfig, data: Any) -> None:
     """Block-sparse mixers (nsa, moba): training sequences are whole blocks."""
-    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).name == "decoder" else []):
+    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
         bs = getattr(mixer, "block_size", None)
         if bs and data.seq_len % bs:
             raise ConfigError(f"{bs} does not divide data.seq_len={data.seq_len}; allowed: a divisor of "
@@ -116,6 +116,22 @@ def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
     if inf.kv_cache_dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
                           field="inference.kv_cache_dtype")
+
+
+def _check_linearize(node: Any, model: ModelConfig) -> None:
+    """experiment=linearize: the section's values, and a planned student (attnzoo.linearize.apply_linearize,
+    which needs model.init_from) — a `linearize` section on any other model is refused."""
+    if node is None:
+        if model.name == "linearize":
+            raise ConfigError("is the student of experiment=linearize; allowed: a `linearize` section (experiment="
+                              "linearize) with model.init_from", field="model.name")
+        return
+    from .linearize import options
+
+    options(node)
+    if model.name != "linearize":
+        raise ConfigError("experiment=linearize needs a pretrained model to linearize; allowed: "
+                          "model.init_from=<local transformers model dir>", field="model.init_from")
 
 
 def validate(cfg: DictConfig) -> dict:
@@ -158,6 +174,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_eval(run.eval, model, data)
     _check_inference(run.inference, model)
     _check_blocks(model, data)
+    _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(
         run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")

@@ -12,7 +12,7 @@ from ..errors import ConfigError, check, check_choice
 from . import register_data
 from .corpus import load_corpus, text_sha
 from .sampling import ResumableDataMixin
-from .tokenizer import encode_corpus, get_tokenizer
+from .tokenizer import FileTokenizer, encode_corpus, file_sha, get_tokenizer
 
 
 @dataclass
@@ -20,19 +20,29 @@ class TextDataConfig:
     name: str = "text"
     path: Optional[str] = None  # null: the embedded corpus (this Python's stdlib sources); or a file / folder
     max_chars: Optional[int] = 2_000_000  # cap on corpus characters read
-    tokenizer: str = "bpe"  # bpe | char
-    vocab_size: int = 2048  # BPE vocabulary (char: set by the corpus)
+    tokenizer: str = "bpe"  # bpe | char | file (tokenizer_file)
+    # bpe: the vocabulary learned; char: unused (the corpus's characters); file: the embedding rows, >= the
+    # file's tokens (model.init_from sets it to the imported model's vocab_size)
+    vocab_size: int = 2048
+    # a HF `tokenizers` JSON (tokenizer.json) for tokenizer=file; model.init_from sets it (and tokenizer=file)
+    # when its directory has one, so the corpus is encoded as the imported model was trained
+    tokenizer_file: Optional[str] = None
     seq_len: int = 256
     batch_size: int = 16
     val_fraction: float = 0.05  # the last fraction of the token stream
     num_workers: int = 0
 
     def validate(self, model, field: str) -> None:
-        check_choice(self.tokenizer, f"{field}.tokenizer", ("bpe", "char"))
+        check_choice(self.tokenizer, f"{field}.tokenizer", ("bpe", "char", "file"))
+        if self.tokenizer == "file":
+            check(self.tokenizer_file is not None, f"{field}.tokenizer_file", "must be set with tokenizer=file "
+                  "(a HF tokenizers JSON, e.g. a transformers model's tokenizer.json)")
         check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
         check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
         check(0.0 < self.val_fraction < 0.5, f"{field}.val_fraction", "must be in (0, 0.5)")
-        check(self.vocab_size >= 260, f"{field}.vocab_size", "must be >= 260 (256 bytes + specials) for bpe")
+        if self.tokenizer == "bpe":
+            check(self.vocab_size >= 260, f"{field}.vocab_size", "must be >= 260 (256 bytes + specials) for bpe")
+        check(self.vocab_size > 0, f"{field}.vocab_size", "must be positive")
 
 
 class Blocks(Dataset):
@@ -51,6 +61,25 @@ class Blocks(Dataset):
         return block[:-1], block[1:]
 
 
+def load_tokenizer_file(path: str, vocab_size: int) -> FileTokenizer:
+    """data.tokenizer_file, read and checked against the embedding it will index (one-line errors)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; allowed: a HF tokenizers JSON (tokenizer.json)",
+                          field="data.tokenizer_file")
+    try:
+        tok = FileTokenizer.from_file(p)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
+        raise ConfigError(f"{path} is not a HF tokenizers file ({str(e).splitlines()[0][:120]})",
+                          field="data.tokenizer_file") from None
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"{path} has {tok.vocab_size} tokens, more than data.vocab_size={vocab_size} embedding "
+                          f"rows; allowed: data.vocab_size >= {tok.vocab_size}", field="data.tokenizer_file")
+    return tok
+
+
 @register_data("text", TextDataConfig)
 class TextDataModule(ResumableDataMixin, L.LightningDataModule):
     def __init__(self, cfg: TextDataConfig, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
@@ -65,13 +94,18 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         cfg = self.cfg
         text, source = load_corpus(cfg.path, cfg.max_chars)
         sha = text_sha(text)
-        self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
+        if cfg.tokenizer == "file":
+            self.tokenizer = load_tokenizer_file(cfg.tokenizer_file, cfg.vocab_size)
+        else:
+            self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
         if cfg.tokenizer == "bpe" and self.tokenizer.vocab_size < cfg.vocab_size // 2:
             raise ConfigError(
                 f"{cfg.vocab_size} asked for, but this corpus ({len(text):,} characters) supports only "
                 f"{self.tokenizer.vocab_size} BPE tokens (what the tokenizer learned); allowed: <= "
                 f"{self.tokenizer.vocab_size}, or a larger corpus", field="data.vocab_size")
         key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
+        if cfg.tokenizer == "file":
+            key = f"file-{file_sha(cfg.tokenizer_file)}-{sha}"
         ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
         n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)
         if len(ids) - n_val < 2 * (cfg.seq_len + 1):
@@ -89,10 +123,13 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
             "train_tokens": int(len(self.train_ids)),
             "val_tokens": int(len(self.val_ids)),
         }
+        if cfg.tokenizer == "file":
+            self.info["tokenizer_file"] = str(cfg.tokenizer_file)
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        # a tokenizer file indexes the embedding of the model it came from: that model's rows (data.vocab_size)
+        return self.cfg.vocab_size if self.cfg.tokenizer == "file" else self.tokenizer.vocab_size
 
     def train_dataloader(self) -> DataLoader:
         return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)

@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level BPE trained with HF `tokenizers` on the training text, or char-level.
+"""Tokenizers: byte-level BPE trained with HF `tokenizers` on the training text, char-level, or a given
+`tokenizers` file (`tokenizer.json`, e.g. an imported transformers model's own: `FileTokenizer`).
 
 Both are cached on disk by (corpus hash, kind, vocab size) and written atomically (temp file + rename),
 so concurrent processes (DDP ranks, sweep jobs) never read a half-written file.
@@ -99,6 +100,38 @@ class BPETokenizer:
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_file(str(path)))
+
+
+class FileTokenizer(BPETokenizer):
+    """A HF `tokenizers` JSON file as it is (any model: BPE, WordPiece, Unigram, WordLevel), e.g. the
+    tokenizer.json of an imported transformers model. The text is encoded as one stream, without the special
+    tokens its post-processor would add per call (a BOS at every chunk boundary)."""
+
+    kind = "file"
+
+    def __init__(self, tok, path: str):
+        super().__init__(tok)
+        self.path = path
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "FileTokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)), str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_long(self, text: str) -> list[int]:
+        lines = text.splitlines(keepends=True)
+        chunks = ["".join(lines[i : i + 2000]) for i in range(0, len(lines), 2000)]
+        return [i for enc in self.tok.encode_batch(chunks, add_special_tokens=False) for i in enc.ids]
+
+
+def file_sha(path: str | Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()[:16]
 
 
 def _atomic_write(path: Path, text: str) -> None:

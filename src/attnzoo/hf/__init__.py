@@ -13,10 +13,13 @@ Architectures (docs/hf.md has the table, the measured parity and the departures)
     transformers              attnzoo
     LlamaForCausalLM          mha / gqa / mqa + swiglu  (attention_bias: qkv_bias + out_bias, mlp_bias)
     Qwen2ForCausalLM          mha / gqa / mqa with qkv_bias (no out_bias) + swiglu
+    Qwen3ForCausalLM          mha / gqa / mqa with qk_norm (attention_bias: qkv_bias + out_bias) + swiglu
+    Qwen3MoeForCausalLM       the same + moe (softmax top-k, norm_topk_prob, mlp_only_layers = first_k_dense)
     MistralForCausalLM        sliding_window + swiglu          (sliding_window: null imports as gqa)
     MixtralForCausalLM        gqa / sliding_window + moe (softmax top-k, renormalised)
     DeepseekV3ForCausalLM     mla + swiglu / moe (sigmoid, groups, shared experts, first_k_dense, bias)
-    Qwen3NextForCausalLM      gated_deltanet in every layer + swiglu / moe (gated shared expert)
+    Qwen3NextForCausalLM      gated_deltanet in every layer, or GDN + attention (qk_norm, output_gate) hybrids
+                              + swiglu / moe (gated shared expert)
 
 Only local directories are read (config.json + model.safetensors or a sharded index; never the hub, never
 pickles). One set of rules per architecture maps tensor names both ways (`weights._rules`): attnzoo fuses

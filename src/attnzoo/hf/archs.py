@@ -31,12 +31,12 @@ MISTRAL = Arch("mistral", "MistralForCausalLM")
 MIXTRAL = Arch("mixtral", "MixtralForCausalLM", moe_prefix="block_sparse_moe.", expert_names=("w1", "w3", "w2"))
 DEEPSEEK_V3 = Arch("deepseek_v3", "DeepseekV3ForCausalLM", shared_prefix="shared_experts.")
 QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
-ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT)}
+QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
+QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
+ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE)}
 
 # model types people will try that attnzoo cannot represent exactly, and the missing feature
 MISSING = {
-    "qwen3": "q/k RMSNorm on each attention head (q_norm, k_norm), which attnzoo's attention has no option for",
-    "qwen3_moe": "q/k RMSNorm on each attention head (q_norm, k_norm), which attnzoo's attention has no option for",
     "gemma": "embeddings scaled by sqrt(hidden_size), GELU MLP and (1 + w) RMSNorm, which attnzoo has no options for",
     "gemma2": "logit soft-capping, sandwich norms and alternating local/global layers, which attnzoo has no "
               "options for",
@@ -107,6 +107,8 @@ def _check_moe(model, arch: Arch) -> None:
         if moe.shared is not None and moe.shared.hidden != f.n_shared_experts * moe.hidden:
             raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} (DeepSeek-V3's is n_shared_experts * d_ff = "
                       f"{f.n_shared_experts * moe.hidden})")
+    if arch is QWEN3_MOE and moe.shared is not None:
+        raise _no(f"{field}.n_shared_experts", "shared experts (Qwen3-MoE has none)")
     if arch is QWEN3_NEXT and (moe.shared is None or moe.shared_gate is None):
         raise _no(f"{field}.shared_expert_gate", "Qwen3-Next's MoE has a sigmoid-gated shared expert; allowed: "
                   "shared_d_ff (or n_shared_experts) with shared_expert_gate=true")
@@ -120,28 +122,55 @@ def _check_rope(cfg, scalings: tuple) -> None:
         raise _no("model.position.scaling", f"{pos.scaling} (exported: {', '.join(scalings)})")
 
 
+def _mixer_field(cfg, mc) -> str:
+    """The config path of a layer's mixer config: model.mixers.<key> for a named one, else model.mixer."""
+    named = next((k for k, v in cfg.mixers.items() if v is mc), None)
+    if named is None and cfg.pattern:  # a registered name in the pattern: configured as model.mixers.<name>
+        named = mc.name
+    return "model.mixer" if named is None else f"model.mixers.{named}"
+
+
+def _check_qwen3_next_attention(cfg, mc) -> None:
+    """The attention layers of a GDN hybrid match Qwen3-Next's gated attention exactly."""
+    field = _mixer_field(cfg, mc)
+    for key, want in (("qk_norm", True), ("output_gate", True), ("causal", True), ("conv_size", 0),
+                      ("softmax_scale", None), ("out_bias", mc.qkv_bias)):
+        if getattr(mc, key) != want:
+            raise _no(f"{field}.{key}", f"{getattr(mc, key)} (Qwen3-Next's attention layers: {key}={want}; they "
+                      f"have q/k RMSNorm, a sigmoid output gate and biases on all four projections or none)")
+    if cfg.position.name != "rope":
+        raise _no("model.position.name", f"{cfg.position.name} (Qwen3-Next's attention layers use RoPE)")
+    rot = cfg.head_dim * cfg.position.rotary_fraction
+    if int(rot) % 2:
+        raise _no("model.position.rotary_fraction", f"{cfg.position.rotary_fraction} rotates an odd {int(rot)} of "
+                  f"{cfg.head_dim} channels (transformers' partial_rotary_factor needs an even count)")
+
+
 def arch_for(model) -> Arch:
     """The transformers architecture exactly equivalent to `model` (a DecoderLM); one-line ConfigError
     naming the field that has no equivalent otherwise. Import uses the same rules, so both directions agree."""
     from ..families import family_of
 
     cfg = model.cfg
-    if family_of(cfg).name != "decoder" or not hasattr(model, "layer_mixers"):
+    if not family_of(cfg).decoder_only or not hasattr(model, "layer_mixers"):
         raise _no("model.name", f"{cfg.name} (exported: decoder-only LMs)")
     if cfg.norm_position != "pre":
         raise _no("model.norm_position", f"{cfg.norm_position}-norm blocks (transformers' decoders are pre-norm)")
     if cfg.norm.name != "rmsnorm":
         raise _no("model.norm.name", f"{cfg.norm.name} (the exported architectures use RMSNorm)")
     kinds = [m.name for m in model.layer_mixers]
-    if len(set(kinds)) > 1:
-        if "gated_deltanet" in kinds:
-            raise _no("model.pattern", f"{sorted(set(kinds))}: Qwen3-Next's attention layers have q/k RMSNorm and a "
-                      f"sigmoid output gate, which attnzoo's attention lacks (exported: gated_deltanet in every layer)")
-        raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer)")
-    if len({repr(m) for m in model.layer_mixers}) > 1:
-        raise _no("model.pattern", "layers with differently configured mixers (exported: one mixer config)")
-    kind, mc, ffn = kinds[0], model.layer_mixers[0], cfg.ffn.name
-    field = "model.mixer"
+    # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
+    hybrid = "gated_deltanet" in kinds and len(set(kinds)) == 2 and bool(set(kinds) & {"mha", "gqa", "mqa"})
+    if len(set(kinds)) > 1 and not hybrid:
+        raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer, or gated_deltanet "
+                  f"with mha / gqa / mqa layers as Qwen3-Next)")
+    for k in set(kinds):
+        if len({repr(m) for m in model.layer_mixers if m.name == k}) > 1:
+            raise _no("model.pattern", f"{k} layers configured differently (exported: one config per mixer kind)")
+    if hybrid:
+        _check_qwen3_next_attention(cfg, next(m for m in model.layer_mixers if m.name != "gated_deltanet"))
+    mc = next(m for m in model.layer_mixers if m.name == "gated_deltanet") if hybrid else model.layer_mixers[0]
+    kind, ffn, field = mc.name, cfg.ffn.name, _mixer_field(cfg, mc)
     if kind in NO_EQUIVALENT:
         raise _no(f"{field}.name", f"{kind}: {NO_EQUIVALENT[kind]}")
     if ffn not in ("swiglu", "moe"):
@@ -161,6 +190,22 @@ def arch_for(model) -> Arch:
             raise _no(f"{field}.causal", "false (a causal LM)")
         if getattr(mc, "sink_tokens", 0):
             raise _no(f"{field}.sink_tokens", f"{mc.sink_tokens} attention sinks (Mistral's window has none)")
+        if mc.output_gate:
+            raise _no(f"{field}.output_gate", "true without gated_deltanet layers (Qwen3-Next's gated attention is "
+                      "exported in a hybrid pattern with gated_deltanet)")
+        if mc.qk_norm:  # Qwen3 / Qwen3-MoE: q/k RMSNorm on every head
+            if kind == "sliding_window":
+                raise _no(f"{field}.qk_norm", "true with a sliding window (Qwen3's window applies above "
+                          "max_window_layers only; exported with qk_norm: mha, gqa, mqa)")
+            if mc.qkv_bias != mc.out_bias:
+                raise _no(f"{field}.out_bias", f"{mc.out_bias} with qkv_bias={mc.qkv_bias} (Qwen3 biases all four "
+                          f"projections or none)")
+            if mlp_bias:
+                raise _no("model.ffn.bias", "true (Qwen3's MLP has no bias)")
+            if ffn == "moe":
+                _check_moe(model, QWEN3_MOE)
+                return QWEN3_MOE
+            return QWEN3
         if ffn == "moe":
             if mc.qkv_bias or mc.out_bias:
                 raise _no(f"{field}.qkv_bias", "attention biases (Mixtral has none)")
@@ -190,6 +235,8 @@ def arch_for(model) -> Arch:
     if kind == "gated_deltanet":
         if cfg.position.name not in ("none", "rope"):
             raise _no("model.position.name", f"{cfg.position.name} embeddings (Qwen3-Next adds none)")
+        if hybrid:
+            _check_rope(cfg, ("none",))
         for key, want in (("conv_bias", False), ("qkv_activation", "silu"), ("allow_neg_eigval", False),
                           ("use_output_norm", True), ("use_gate", True)):
             if getattr(mc, key) != want:

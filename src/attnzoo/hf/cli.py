@@ -20,7 +20,7 @@ from .weights import hf_state_dict, load_hf_weights, read_hf_config, read_hf_sta
 def hf_tokenizer_json(tokenizer) -> Optional[str]:
     """tokenizer.json text for a run's tokenizer: byte-level BPE as it is; the char tokenizer as a
     WordLevel model over single characters (split on every character, pieces fused back on decode)."""
-    if getattr(tokenizer, "kind", None) == "bpe":
+    if getattr(tokenizer, "kind", None) in ("bpe", "file"):  # file: an imported model's tokenizer.json
         return tokenizer.tok.to_str()
     if getattr(tokenizer, "kind", None) == "char":
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -40,8 +40,11 @@ def write_tokenizer(tokenizer, out: Path, max_len: int) -> Optional[int]:
     if text is None:
         return None
     (out / "tokenizer.json").write_text(text)
-    eos = tokenizer.encode("<|endoftext|>") if tokenizer.kind == "bpe" else [0]
-    eos_id = eos[0] if len(eos) == 1 else None
+    if tokenizer.kind == "file":
+        eos_id = tokenizer.tok.token_to_id("<|endoftext|>")
+    else:
+        eos = tokenizer.encode("<|endoftext|>") if tokenizer.kind == "bpe" else [0]
+        eos_id = eos[0] if len(eos) == 1 else None
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
             "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>"}
     if tokenizer.kind == "char":
@@ -75,7 +78,11 @@ def apply_init_from(cfg, overrides: Optional[list] = None):
     model section only `dropout`, `init_std` and `init` are kept; command-line overrides `model.<key>=v` of
     keys config.json does not set (training knobs: model.ffn.aux_loss_coef, model.mixer.chunk_size, ...) are
     applied on top, and one that contradicts config.json, or a model preset/group override, is refused in
-    one line. `overrides`: the command line's (default: Hydra's, when running under Hydra)."""
+    one line. With a `linearize` section (experiment=linearize) `model.pattern` / `model.mixers` are kept too:
+    they name the layers to replace (attnzoo.linearize.apply_linearize reads them next).
+    `data=text` with a tokenizer.json in the directory: the corpus is encoded with it (data.tokenizer=file,
+    data.vocab_size = the model's), unless data.tokenizer is given on the command line.
+    `overrides`: the command line's (default: Hydra's, when running under Hydra)."""
     from omegaconf import OmegaConf, open_dict
 
     init = OmegaConf.select(cfg, "model.init_from")
@@ -87,16 +94,22 @@ def apply_init_from(cfg, overrides: Optional[list] = None):
     if OmegaConf.select(cfg, "model_budget"):
         raise ConfigError("sizes the model to a budget, but model.init_from fixes it; allowed: null",
                           field="model_budget")
-    if _agrees(OmegaConf.to_container(cfg.model, resolve=True), derived):
+    # experiment=linearize: the pattern (and a planned run's name) describe the student, not config.json
+    student = LINEARIZE_KEYS if OmegaConf.select(cfg, "linearize") is not None else ()
+    if _agrees(OmegaConf.to_container(cfg.model, resolve=True), derived, ignore=student):
         return cfg  # already derived (a DDP worker's or a resumed run's config): knobs given then are kept
-    kept = {k: OmegaConf.select(cfg, f"model.{k}") for k in ("dropout", "init_std", "init")}
+    plan = ("pattern", "mixers") if student else ()  # the student's layer plan, as composed / given
+    kept = {k: OmegaConf.select(cfg, f"model.{k}") for k in ("dropout", "init_std", "init", *plan)}
     model = OmegaConf.create({**derived, **{k: v for k, v in kept.items() if v is not None}, "init_from": str(path)})
-    for o in (_hydra_overrides() if overrides is None else overrides):
+    given = _hydra_overrides() if overrides is None else overrides
+    for o in given:
         key = str(o).split("=", 1)[0].lstrip("+~")
         if key in ("model", "override model") or key.startswith(("model/", "model@")):
             raise ConfigError(f"{o}: model.init_from={path} sets the whole architecture from its config.json; allowed: "
                               f"drop the preset/group override", field="model")
         if not key.startswith("model.") or key in ("model.init_from", "model.dropout", "model.init_std", "model.init"):
+            continue
+        if key.split(".")[1] in student:
             continue
         sub = key[len("model."):]
         value = OmegaConf.select(cfg, key)
@@ -109,12 +122,36 @@ def apply_init_from(cfg, overrides: Optional[list] = None):
     out = cfg.copy()
     with open_dict(out):
         out.model = model
+        _use_model_tokenizer(out, path, derived["vocab_size"], given)
     return out
 
 
-def _agrees(section: dict, derived: dict) -> bool:
-    """Every value config.json gives is already in `section` (which may hold more keys)."""
+LINEARIZE_KEYS = ("name", "pattern", "mixers")  # model keys that describe a linearized student (attnzoo.linearize)
+
+
+def _use_model_tokenizer(cfg, path: Path, vocab_size: int, given: list) -> None:
+    """data=text: encode the corpus with the imported model's tokenizer.json (its ids index the model's
+    embedding), unless the command line chose data.tokenizer. A file tokenizers cannot read is refused."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(cfg, "data.name") != "text" or not (path / "tokenizer.json").is_file():
+        return
+    if any(str(o).lstrip("+~").split("=", 1)[0] in ("data.tokenizer", "data.tokenizer_file") for o in given):
+        return
+    from ..data.text import load_tokenizer_file
+
+    try:
+        load_tokenizer_file(str(path / "tokenizer.json"), vocab_size)  # usable: read now, one line if not
+    except ConfigError as e:
+        raise ConfigError(f"{path}/tokenizer.json cannot encode the text: {e}", field=FIELD) from None
+    cfg.data.tokenizer, cfg.data.tokenizer_file, cfg.data.vocab_size = "file", str(path / "tokenizer.json"), vocab_size
+
+
+def _agrees(section: dict, derived: dict, ignore: tuple = ()) -> bool:
+    """Every value config.json gives is already in `section` (which may hold more keys), `ignore`d keys aside."""
     for key, want in derived.items():
+        if key in ignore:
+            continue
         have = section.get(key, "__absent__") if isinstance(section, dict) else "__absent__"
         if isinstance(want, dict) and want:
             if not isinstance(have, dict) or not _agrees(have, want):
@@ -135,11 +172,12 @@ def _hydra_overrides() -> list:
 
 def check_init_vocab(model_section: dict, vocab_size: int) -> None:
     """The run's data must use exactly the imported model's vocabulary (its ids index the embedding)."""
-    want = model_section.get("vocab_size")
-    if model_section.get("init_from") and want != vocab_size:
-        raise ConfigError(f"{model_section['init_from']} has vocab_size={want}, the run's data {vocab_size} tokens; "
-                          f"allowed: data with the same vocabulary (e.g. data.vocab_size={want} for a synthetic task)",
-                          field=FIELD)
+    want, init = model_section.get("vocab_size"), model_section.get("init_from")
+    if init and want != vocab_size:
+        tok = "" if (Path(init) / "tokenizer.json").is_file() else " and no tokenizer.json to encode text with"
+        raise ConfigError(f"{init} has vocab_size={want}{tok}, the run's data {vocab_size} tokens; allowed: data "
+                          f"with the same vocabulary (a model dir with its tokenizer.json for data=text, "
+                          f"data.vocab_size={want} for a synthetic task)", field=FIELD)
 
 
 def init_weights_from(model, model_section: dict) -> None:
@@ -170,7 +208,7 @@ def load_run_model(run: str | Path, best: bool = False):
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise ConfigError(f"{ckpt} carries no attnzoo run config (hyper_parameters.cfg)", field="RUN_DIR")
     fam = family_of(cfg["model"])
-    if fam.name != "decoder":
+    if not fam.decoder_only:
         raise _no("model.name", f"{cfg['model'].get('name')} ({fam.name} family; exported: decoder-only LMs)")
     tokenizer, vocab = None, hp.get("vocab_size")
     data_cfg = tagged(DATAMODULES, cfg.get("data"), "data", default_name="text")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
-from .archs import DEEPSEEK_V3, LLAMA, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3_NEXT, _dense_of, _moe_of, arch_for
+from .archs import (DEEPSEEK_V3, LLAMA, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, _dense_of, _moe_of,
+                    arch_for)
 
 
 # ----------------------------------------------------------------------------- import: config.json -> model section
@@ -89,6 +90,36 @@ def _llama_like(c: dict) -> dict:
     return m
 
 
+def _qwen3(c: dict) -> dict:
+    """Qwen3 and Qwen3-MoE: Llama-like attention (attention_bias on all four projections) with q/k RMSNorm on
+    every head, + SwiGLU, or (qwen3_moe) softmax top-k experts after the first len(mlp_only_layers) layers."""
+    _check_act(c)
+    if c.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", "true (Qwen3's sliding window applies above max_window_layers only)")
+    _check_full_attention(c)
+    bias = bool(c.get("attention_bias", False))
+    m = _base(c, _position_from_hf(c))
+    m["mixer"] = {**_attention_mixer(c, None, bias, bias), "qk_norm": True}
+    E = int(c.get("num_experts", c.get("num_local_experts")) or 0) if c["model_type"] == "qwen3_moe" else 0
+    if E == 0:
+        m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
+        return m
+    m["ffn"] = {"name": "moe", "n_experts": E, "top_k": c["num_experts_per_tok"], "d_ff": c["moe_intermediate_size"],
+                "scoring": "softmax", "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
+                "first_k_dense": _dense_prefix(c), "dense_d_ff": c["intermediate_size"], "expert_type": "swiglu"}
+    return m
+
+
+def _dense_prefix(c: dict) -> int:
+    """k, for `mlp_only_layers` = [0..k-1] with decoder_sparse_step 1 (attnzoo's dense layers are the first k)."""
+    only = sorted(c.get("mlp_only_layers") or [])
+    if int(c.get("decoder_sparse_step", 1)) != 1 or only != list(range(len(only))):
+        step = c.get("decoder_sparse_step", 1)
+        raise _refuse("mlp_only_layers", f"{only} with decoder_sparse_step={step} (attnzoo's "
+                      f"dense layers are the first k: mlp_only_layers [0..k-1], decoder_sparse_step 1)")
+    return len(only)
+
+
 def _mixtral(c: dict) -> dict:
     _check_act(c)
     m = _base(c, _position_from_hf(c))
@@ -127,39 +158,51 @@ def _deepseek_v3(c: dict) -> dict:
 
 
 def _qwen3_next(c: dict) -> dict:
+    """Gated DeltaNet layers, and full-attention layers (q/k RMSNorm, sigmoid output gate, partial rotary) where
+    `layer_types` has them: model.pattern tiles the shortest period of layer_types, [gdn, ..., attn]."""
     _check_act(c)
-    types = c.get("layer_types") or []
-    if set(types) != {"linear_attention"}:
-        raise _refuse("layer_types", "has full_attention layers: Qwen3-Next's gated attention has q/k RMSNorm and a "
-                      "sigmoid output gate, which attnzoo's attention has no option for (imported: every layer "
-                      "linear_attention)")
-    m = _base(c, {"name": "none"})  # the linear layers take no position
-    m["mixer"] = {"name": "gated_deltanet", "n_heads": c["linear_num_key_heads"],
-                  "n_v_heads": c["linear_num_value_heads"], "head_dim": c["linear_key_head_dim"],
-                  "v_head_dim": c["linear_value_head_dim"], "conv_size": c["linear_conv_kernel_dim"],
-                  "conv_bias": False, "qkv_activation": "silu", "use_output_norm": True, "use_gate": True,
-                  "norm_eps": c["rms_norm_eps"]}
+    types = list(c.get("layer_types") or [])
+    if "linear_attention" not in types or not set(types) <= {"linear_attention", "full_attention"}:
+        raise _refuse("layer_types", f"{sorted(set(types))} (imported: linear_attention layers, with or without "
+                      f"full_attention layers)")
+    gdn = {"name": "gated_deltanet", "n_heads": c["linear_num_key_heads"],
+           "n_v_heads": c["linear_num_value_heads"], "head_dim": c["linear_key_head_dim"],
+           "v_head_dim": c["linear_value_head_dim"], "conv_size": c["linear_conv_kernel_dim"],
+           "conv_bias": False, "qkv_activation": "silu", "use_output_norm": True, "use_gate": True,
+           "norm_eps": c["rms_norm_eps"]}
+    if "full_attention" not in types:
+        m = _base(c, {"name": "none"})  # the linear layers take no position
+        m["mixer"] = gdn
+    else:
+        pos = _position_from_hf(c, rotary=False)
+        if pos.get("scaling", "none") != "none":
+            raise _refuse("rope_parameters.rope_type", f"{pos['scaling']!r} (imported for Qwen3-Next: default)")
+        rp = c.get("rope_parameters") or {}
+        pos["rotary_fraction"] = float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
+        m = _base(c, pos)
+        bias = bool(c.get("attention_bias", False))
+        period = next(p for p in range(1, len(types) + 1) if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+        m["mixer"] = gdn
+        m["mixers"] = {"gdn": gdn, "attn": {**_attention_mixer(c, None, bias, bias), "qk_norm": True,
+                                             "output_gate": True}}
+        m["pattern"] = ["gdn" if t == "linear_attention" else "attn" for t in types[:period]]
     E = int(c.get("num_experts") or 0)
     if E == 0:
         m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
         return m
-    only = sorted(c.get("mlp_only_layers") or [])
-    if int(c.get("decoder_sparse_step", 1)) != 1 or only != list(range(len(only))):
-        step = c.get("decoder_sparse_step", 1)
-        raise _refuse("mlp_only_layers", f"{only} with decoder_sparse_step={step} (attnzoo's "
-                      f"dense layers are the first k: mlp_only_layers [0..k-1], decoder_sparse_step 1)")
+    k_dense = _dense_prefix(c)
     if not c.get("shared_expert_intermediate_size"):
         raise _refuse("shared_expert_intermediate_size", "0 (imported: a gated shared expert)")
     m["ffn"] = {"name": "moe", "n_experts": E, "top_k": c["num_experts_per_tok"], "d_ff": c["moe_intermediate_size"],
                 "scoring": "softmax", "norm_topk_prob": bool(c.get("norm_topk_prob", True)),
                 "shared_d_ff": c["shared_expert_intermediate_size"], "shared_expert_gate": True,
-                "first_k_dense": len(only), "dense_d_ff": c["intermediate_size"], "expert_type": "swiglu"}
+                "first_k_dense": k_dense, "dense_d_ff": c["intermediate_size"], "expert_type": "swiglu"}
     return m
 
 
 IMPORTERS: dict[str, Callable[[dict], dict]] = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next,
+    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
 }
 
 
@@ -207,12 +250,20 @@ def hf_config(model) -> dict:
         "rope_parameters": _rope_parameters(cfg.position),
         "intermediate_size": (dense or moe).hidden,
     }
-    if arch in (LLAMA, QWEN2, MISTRAL, MIXTRAL):
+    if arch in (LLAMA, QWEN2, MISTRAL, MIXTRAL, QWEN3, QWEN3_MOE):
         if cfg.position.scaling == "llama3" and cfg.position.original_max_len is None:
             c["rope_parameters"]["original_max_position_embeddings"] = cfg.max_seq_len
         c["num_key_value_heads"] = m.n_kv_heads
     if arch is LLAMA:
         c.update(attention_bias=mc.qkv_bias, mlp_bias=bool(cfg.ffn.bias))
+    if arch in (QWEN3, QWEN3_MOE):
+        c.update(attention_bias=mc.qkv_bias, use_sliding_window=False, sliding_window=None,
+                 max_window_layers=cfg.n_layers, layer_types=["full_attention"] * cfg.n_layers)
+    if arch is QWEN3_MOE:
+        f = cfg.ffn
+        c.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden,
+                 norm_topk_prob=f.norm_topk_prob, mlp_only_layers=list(range(f.first_k_dense)), decoder_sparse_step=1,
+                 output_router_logits=False)
     if arch is QWEN2:
         c.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
     if arch in (MISTRAL, MIXTRAL):
@@ -235,9 +286,15 @@ def hf_config(model) -> dict:
                      n_shared_experts=f.n_shared_experts if moe.shared is not None else 0,
                      routed_scaling_factor=f.routed_scaling_factor, norm_topk_prob=f.norm_topk_prob)
     if arch is QWEN3_NEXT:
-        c.update(layer_types=["linear_attention"] * cfg.n_layers, linear_num_key_heads=m.n_qk_heads,
-                 linear_num_value_heads=m.n_v_heads, linear_key_head_dim=m.qk_dim, linear_value_head_dim=m.v_dim,
-                 linear_conv_kernel_dim=m.conv.kernel_size, decoder_sparse_step=1)
+        g = next(x for x in model.mixers if x.cfg.name == "gated_deltanet")
+        c.update(layer_types=["linear_attention" if x.name == "gated_deltanet" else "full_attention"
+                              for x in model.layer_mixers], linear_num_key_heads=g.n_qk_heads,
+                 linear_num_value_heads=g.n_v_heads, linear_key_head_dim=g.qk_dim, linear_value_head_dim=g.v_dim,
+                 linear_conv_kernel_dim=g.conv.kernel_size, decoder_sparse_step=1)
+        a = next((x for x in model.mixers if x.cfg.name != "gated_deltanet"), None)
+        if a is not None:  # the gated attention layers
+            c.update(num_key_value_heads=a.n_kv_heads, attention_bias=a.cfg.qkv_bias)
+            c["rope_parameters"]["partial_rotary_factor"] = float(cfg.position.rotary_fraction)
         if moe is None:
             c.update(num_experts=0, mlp_only_layers=[])
         else:

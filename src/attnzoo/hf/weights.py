@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .archs import DEEPSEEK_V3, FIELD, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3_NEXT, Arch, arch_for
+from .archs import DEEPSEEK_V3, FIELD, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, Arch, arch_for
 
 
 # ----------------------------------------------------------------------------- reading a local directory
@@ -91,7 +91,33 @@ def _attention_rules(m, o: str, h: str) -> list:
         rules.append(_cat(o + "qkv.bias", (h + "q_proj.bias", h + "k_proj.bias", h + "v_proj.bias"), [q, kv, kv]))
     if m.o_proj.bias is not None:
         rules.append(_same(o + "o_proj.bias", h + "o_proj.bias"))
+    if m.q_norm is not None:  # Qwen3: per-head q/k RMSNorm, one (head_dim,) weight each
+        rules += [_same(o + "q_norm.weight", h + "q_norm.weight"), _same(o + "k_norm.weight", h + "k_norm.weight")]
     return rules
+
+
+def _gated_attention_rules(m, o: str, h: str, offset: float) -> list:
+    """Qwen3-Next's full-attention layers: q_proj holds, per head, [q_h (D) ; gate_h (D)] rows; attnzoo keeps q in
+    the fused qkv and the gate in gate_proj. Its q/k RMSNorms are zero-centred like its other norms."""
+    h += "self_attn."
+    H, D, kv = m.n_heads, m.head_dim, m.n_kv_heads * m.head_dim
+
+    def to_ours(t):
+        q, g = t[0].view(H, 2 * D, *t[0].shape[1:]).split([D, D], dim=1)
+        return [torch.cat([q.reshape(H * D, *q.shape[2:]), t[1], t[2]]), g.reshape(H * D, *g.shape[2:])]
+
+    def to_hf(t):
+        q, k, v = t[0].split([H * D, kv, kv], 0)
+        rest = q.shape[1:]
+        return [torch.cat([q.view(H, D, *rest), t[1].view(H, D, *rest)], dim=1).reshape(2 * H * D, *rest), k, v]
+
+    rules = []
+    for leaf in ("weight", "bias") if m.qkv.bias is not None else ("weight",):
+        rules.append(Rule((f"{o}qkv.{leaf}", f"{o}gate_proj.{leaf}"),
+                          tuple(f"{h}{p}_proj.{leaf}" for p in "qkv"), to_ours, to_hf))
+        rules.append(_same(f"{o}o_proj.{leaf}", f"{h}o_proj.{leaf}"))
+    return rules + [_same(o + "q_norm.weight", h + "q_norm.weight", offset),
+                    _same(o + "k_norm.weight", h + "k_norm.weight", offset)]
 
 
 MLA_NAMES = {"kv_a_proj": "kv_a_proj_with_mqa", "q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm"}
@@ -190,12 +216,16 @@ def _rules(model, arch: Arch) -> list:
     if not model.cfg.tie_embeddings:
         rules.append(_same("lm_head.weight", "lm_head.weight"))
     mixer_rules = {LLAMA: _attention_rules, QWEN2: _attention_rules, MISTRAL: _attention_rules,
-                   MIXTRAL: _attention_rules, DEEPSEEK_V3: _mla_rules, QWEN3_NEXT: _gdn_rules}[arch]
+                   MIXTRAL: _attention_rules, DEEPSEEK_V3: _mla_rules, QWEN3_NEXT: _gdn_rules, QWEN3: _attention_rules,
+                   QWEN3_MOE: _attention_rules}[arch]
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"model.layers.{i}."
         rules += [_same(o + "norm1.weight", h + "input_layernorm.weight", off),
                   _same(o + "norm2.weight", h + "post_attention_layernorm.weight", off)]
-        rules += mixer_rules(block.mixer, o + "mixer.", h)
+        if arch is QWEN3_NEXT and block.mixer.cfg.name != "gated_deltanet":
+            rules += _gated_attention_rules(block.mixer, o + "mixer.", h, off)
+        else:
+            rules += mixer_rules(block.mixer, o + "mixer.", h)
         if isinstance(block.ffn, MoE):
             rules += _moe_rules(block.ffn, o + "ffn.", h + arch.moe_prefix, arch)
         else:

@@ -6,8 +6,10 @@ One implementation for the whole family (Shazeer 2019 MQA; Ainslie et al. 2023 G
     MHA  q: h h h h   GQA  q: h h h h   MQA  q: h h h h
          kv:h h h h        kv: g   g         kv:   g
 
-Fused QKV projection, RoPE on q/k when the model's position is `rope`, SDPA for training/prefill,
-a KV cache for decoding. `impl = "reference"` runs the explicit softmax of ops/attention.py instead.
+Fused QKV projection, optionally a per-head RMSNorm of q and k (`qk_norm`, as Qwen3), RoPE on q/k when the
+model's position is `rope`, SDPA for training/prefill, a KV cache for decoding, optionally a sigmoid gate on
+the attention output (`output_gate`, as Qwen3-Next's full-attention layers). `impl = "reference"` runs the
+explicit softmax of ops/attention.py instead.
 
 `sliding_window` (Beltagy et al. 2020 Longformer; Jiang et al. 2023 Mistral) is a thin subclass: the same
 projections and RoPE, a band mask (query t sees keys t-W+1..t) and a ring-buffer cache of W tokens.
@@ -24,6 +26,7 @@ from torch import nn
 from ..cache import LayerCache
 from ..errors import ConfigError
 from ..ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
+from ..norm import RMSNorm
 from ..ops.sliding_window import sliding_window_sdpa
 from ..position import rotary_from_config
 from ..registry import register_mixer
@@ -145,6 +148,12 @@ class AttentionConfig:
     causal: bool = True
     conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
     conv_bias: bool = False
+    # per-head RMSNorm of q and k over head_dim, after the projection and before RoPE (Qwen3; Dehghani et al.
+    # 2023 ViT-22B, Wortsman et al. 2023 for the stability motive); weights of size head_dim, eps model.norm.eps
+    qk_norm: bool = False
+    # y * sigmoid(x W_g) per head and channel before o_proj (Qwen3-Next's gated attention; Qiu et al. 2025,
+    # arXiv:2505.06708); W_g is `gate_proj` (d_model -> n_heads * head_dim, biased with qkv_bias)
+    output_gate: bool = False
 
     def kv_heads(self, model) -> int:
         if self.name == "mha":
@@ -182,6 +191,10 @@ class Attention(Mixer):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv = nn.Linear(self.d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # fused [q | k | v]
         self.o_proj = nn.Linear(q_dim, self.d_model, bias=cfg.out_bias)
+        # one weight vector per projection, shared by its heads (Qwen3's q_norm / k_norm)
+        self.q_norm = RMSNorm(self.head_dim, model_cfg.norm.eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, model_cfg.norm.eps) if cfg.qk_norm else None
+        self.gate_proj = nn.Linear(self.d_model, q_dim, bias=cfg.qkv_bias) if cfg.output_gate else None
         pos = model_cfg.position
         self.rope = rotary_from_config(pos, self.head_dim, model_cfg.max_seq_len)
         # ALiBi (Press et al. 2022): a per-head linear distance penalty on the scores instead of any embedding
@@ -197,10 +210,26 @@ class Attention(Mixer):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None:  # over head_dim, before RoPE: the cache holds normed, rotated keys
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             cs = self.rope.cos_sin(positions, q.dtype)
             q, k = self.rope(q, positions, cs), self.rope(k, positions, cs)
         return q, k, v
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Heads (B, H, T, D) merged, gated by sigmoid(gate_proj(x)) with `output_gate` (x: the mixer input the
+        queries came from), then o_proj -> (B, T, d_model)."""
+        B, H, T, D = y.shape
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(y)
+
+    def projection_flops(self) -> float:
+        """The dense projections (qkv, o_proj, gate_proj) and the input conv, per token."""
+        layers = [m for m in (self.qkv, self.o_proj, self.gate_proj) if m is not None]
+        return 2.0 * sum(m.in_features * m.out_features for m in layers) + self.input_conv_flops()
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         """q (B,H,Tq,D) at absolute offset `q_offset` relative to the first key in k/v."""
@@ -224,12 +253,13 @@ class Attention(Mixer):
         )
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project(self.shift(x, cache), positions)
+        T = x.shape[1]
+        x = self.shift(x, cache)
+        q, k, v = self.project(x, positions)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.attend(q, k, v, q_offset=k.shape[2] - T)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.output(y, x)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> KVCache:
         # kv_format (attnzoo.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
@@ -242,9 +272,17 @@ class Attention(Mixer):
             kv = kv_format.kv_bytes(context_len, batch, self.n_kv_heads, self.head_dim, dtype)
         return kv + self.input_conv_bytes(batch, dtype)
 
+    def layer_shape(self) -> dict:
+        out = super().layer_shape()
+        if self.q_norm is not None:
+            out["qk_norm"] = True
+        if self.gate_proj is not None:
+            out["output_gate"] = True
+        return out
+
     def flops_per_token(self, context_len: int) -> float:
-        proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features)
-        proj += self.input_conv_flops()
+        # q/k norms and the output gate's sigmoid (like softmax and the other norms) are elementwise: not counted
+        proj = self.projection_flops()
         keys = causal_attended(context_len, self.window) if self.causal else float(context_len)
         return proj + 2.0 * 2 * self.n_heads * self.head_dim * keys  # QK^T and PV
 
@@ -318,8 +356,8 @@ class SlidingWindowAttention(Attention):
             return super().forward(x, positions=positions, cache=cache)
         # with attention sinks (Xiao et al. 2023, StreamingLLM): key j is visible to query i when
         # i - W < j <= i (the window) or j < sinks (a sink); the cache keeps the sinks beside the ring
-        B, T, _ = x.shape
-        q, k, v = self.project(self.shift(x, cache), positions)
+        x = self.shift(x, cache)
+        q, k, v = self.project(x, positions)
         q_start = int(positions.reshape(-1)[0]) if positions.numel() else 0
         pk = pv = None
         key_start = q_start
@@ -328,7 +366,7 @@ class SlidingWindowAttention(Attention):
         y = sink_window_attention(q, k, v, q_start=q_start, key_start=key_start, window=self.window, sinks=self.sinks,
                                   prefix_k=pk, prefix_v=pv, scale=self.scale, reference=self.impl == "reference",
                                   dropout_p=self.dropout if self.training else 0.0)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.output(y, x)
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         if self.impl == "reference" or (q.shape[2] == 1 and k.shape[2] <= self.window):

@@ -79,8 +79,9 @@ class MixtureOfBlockAttention(Attention):
         self.block_size, self.topk = cfg.block_size, cfg.topk
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[MoBACache] = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project(self.shift(x, cache), positions)
+        T = x.shape[1]
+        x = self.shift(x, cache)
+        q, k, v = self.project(x, positions)
         if cache is not None:
             k, v = cache.update(k, v)
             k_mean = cache.means(k)
@@ -88,7 +89,7 @@ class MixtureOfBlockAttention(Attention):
             k_mean = block_means(k, self.block_size)
         y = moba_attention(q, k, v, k_mean, q_start=k.shape[2] - T, block_size=self.block_size, topk=self.topk,
                            scale=self.scale, reference=self.impl == "reference")
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.output(y, x)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> MoBACache:
         return MoBACache(self.block_size)
@@ -98,6 +99,5 @@ class MixtureOfBlockAttention(Attention):
         return values * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
 
     def flops_per_token(self, context_len: int) -> float:
-        proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features)
         gate, keys = moba_keys(context_len, self.block_size, self.topk)
-        return proj + self.input_conv_flops() + 2.0 * self.n_heads * self.head_dim * (gate + 2 * keys)
+        return self.projection_flops() + 2.0 * self.n_heads * self.head_dim * (gate + 2 * keys)

@@ -105,7 +105,7 @@ class NativeSparseAttention(Attention):
         y = nsa_attention(q, k, v, k_cmp, v_cmp, gates[0], gates[1], gates[2], q_start=k.shape[2] - T,
                           block_size=self.block_size, block_counts=self.block_counts, window=self.window,
                           scale=self.scale, reference=self.impl == "reference")
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.output(y, x)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> NSACache:
         return NSACache(self.block_size)
@@ -115,8 +115,7 @@ class NativeSparseAttention(Attention):
         return kv * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
 
     def flops_per_token(self, context_len: int) -> float:
-        proj = 2.0 * (self.qkv.in_features * self.qkv.out_features + self.o_proj.in_features * self.o_proj.out_features
-                      + self.g_proj.in_features * self.g_proj.out_features) + self.input_conv_flops()
+        proj = self.projection_flops() + 2.0 * self.g_proj.in_features * self.g_proj.out_features
         cmp, slc = nsa_keys(context_len, self.block_size, self.block_counts)
         swa = causal_attended(context_len, self.window) if self.window else 0.0
         return proj + 2.0 * 2 * self.n_heads * self.head_dim * (cmp + slc + swa)
