@@ -58,7 +58,9 @@ class ThroughputMonitor(L.Callback):
             self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._tokens += batch[0].numel()
+        # a module may say what a token is (image classifiers: patches per image); default: the input ids
+        count = getattr(pl_module, "tokens_in_batch", None)
+        self._tokens += count(batch) if count is not None else batch[0].numel()
         self._steps += 1
         if self._steps >= self.window * trainer.accumulate_grad_batches:
             pl_module.log_dict(self._measure(trainer, pl_module), on_step=True, on_epoch=False)

@@ -75,6 +75,8 @@ class ModelConfig:
     pattern: Any = None
     mixers: Dict[str, Any] = field(default_factory=dict)
     encdec: Any = None  # encoder-decoder / encoder-only options (attnzoo.encdec.EncDecOptions), model=encdec|encoder
+    vision: Any = None  # the image encoder (attnzoo.vision.VisionOptions), model=vit|swin|vlm
+    connector: Any = None  # how image tokens meet the text (attnzoo.vision.ConnectorConfig), model=vlm
     # a local transformers model directory (config.json + *.safetensors): the architecture comes from its
     # config.json and training starts from its weights (attnzoo.hf.apply_init_from; docs/hf.md)
     init_from: Optional[str] = None

@@ -36,6 +36,10 @@ class Family:
     metrics: Callable[[Any], list]
     decoder_only: bool = False
     check_model: Callable[[dict], Any] | None = None  # family-only options (model.encdec), checked by validate
+    # options that depend on the data (an image encoder's patches and windows against the image size), checked
+    # by validate after the data section
+    check_with_data: Callable[[Any, Any], Any] | None = None
+    sections: tuple[str, ...] = ()  # family-only model sections it reads (model.vision, model.connector)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -148,4 +152,75 @@ register_family(Family(
     name="encoder", model_names=("encoder",), build_model=_encoder_model, build_lit=_encoder_lit,
     accepts=lambda d: d.name == "text", data_help="text", metrics=lambda d: ["val/loss", "val/ppl", "val/acc"],
     check_model=_check_encdec_options,
+))
+
+
+# ----------------------------------------------------------------------------- vision (attnzoo.vision)
+def _vision_setup(model_cfg, data_cfg=None):
+    from .vision.options import split_config
+
+    size = getattr(data_cfg, "image_size", None) if data_cfg is not None else None
+    channels = getattr(data_cfg, "channels", None) if data_cfg is not None else None
+    return split_config(model_cfg, image_size=size, channels=channels)
+
+
+def _image_geometry(vis, vocab_size: int) -> tuple:
+    from .errors import ConfigError
+
+    if vis.image_size is None or vis.channels is None:  # model_budget counts a model before the data is known
+        raise ConfigError("counting a vision model's parameters needs the image size; allowed: set "
+                          "model.vision.image_size and model.vision.channels", field="model.vision.image_size")
+    return vocab_size, vis.image_size, vis.channels
+
+
+def _vision_model(model_cfg, vocab_size):
+    from .vision import ImageClassifier
+
+    return ImageClassifier(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
+
+
+def _vision_lit(container, model_cfg, dm):
+    from .lit_vision import LitImageClassifier
+
+    return LitImageClassifier(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
+                              model_cfg=model_cfg)
+
+
+def _vlm_model(model_cfg, vocab_size):
+    from .vision import VisionLanguageModel
+
+    return VisionLanguageModel(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
+
+
+def _vlm_lit(container, model_cfg, dm):
+    from .lit_vision import LitVLM
+
+    return LitVLM(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
+                  model_cfg=model_cfg)
+
+
+def _check_vlm_with_data(model_cfg, data_cfg) -> None:
+    """The image geometry, and with learned positions the image prefix (concat) plus the text within
+    model.max_seq_len."""
+    from .errors import check
+    from .vision.options import image_tokens
+
+    setup = _vision_setup(model_cfg, data_cfg)
+    if setup.connector.meet == "concat" and setup.model.position.name == "learned":
+        total = data_cfg.seq_len + image_tokens(setup.vision, setup.connector)
+        check(total <= setup.model.max_seq_len, "model.max_seq_len", f"{setup.model.max_seq_len} cannot hold "
+              f"the image tokens and the text ({total}) with learned positions; allowed: >= {total}")
+
+
+register_family(Family(
+    name="vision", model_names=("vit", "swin"), build_model=_vision_model, build_lit=_vision_lit,
+    accepts=lambda d: d.name == "digits" or (d.name == "shapes" and d.task == "classify"),
+    data_help="digits, or shapes with data.task=classify", metrics=lambda d: ["val/loss", "val/acc"],
+    check_model=lambda node: _vision_setup(node), check_with_data=_vision_setup, sections=("vision",),
+))
+register_family(Family(
+    name="vlm", model_names=("vlm",), build_model=_vlm_model, build_lit=_vlm_lit,
+    accepts=lambda d: d.name == "shapes" and d.task in ("vqa", "caption"),
+    data_help="shapes with data.task=vqa or caption", metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"],
+    check_model=lambda node: _vision_setup(node), check_with_data=_check_vlm_with_data, sections=("vision", "connector"),
 ))

@@ -134,6 +134,18 @@ def _check_linearize(node: Any, model: ModelConfig) -> None:
                           "model.init_from=<local transformers model dir>", field="model.init_from")
 
 
+def _check_sections(model: ModelConfig, family) -> None:
+    """model.vision / model.connector are read by the families that declare them; elsewhere they would be
+    silently ignored, so they are refused (e.g. a connector on an encoder-only model)."""
+    from .families import FAMILIES
+
+    for section in ("vision", "connector"):
+        if getattr(model, section, None) is not None and section not in family.sections:
+            owners = [n for f in FAMILIES.values() if section in f.sections for n in f.model_names]
+            raise ConfigError(f"model={model.name} ({family.name} family) has no {section}; allowed: null, or "
+                              f"model={' | '.join(owners)}", field=f"model.{section}")
+
+
 def validate(cfg: DictConfig) -> dict:
     """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -151,6 +163,9 @@ def validate(cfg: DictConfig) -> dict:
     check_data(model, data)  # a data module the model's family cannot use: refused before any work
     if hasattr(data, "validate"):
         data.validate(model, field="data")
+    _check_sections(model, family)
+    if family.check_with_data is not None:  # e.g. an image encoder's patches against the data's image size
+        family.check_with_data(model, data)
     check_choice(run.optim.name, "optim.name", ("adamw",))
     check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
     check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",

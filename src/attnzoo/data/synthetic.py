@@ -99,12 +99,18 @@ def example_hashes(x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> list[bytes
 Generator = Callable[[object, int, np.random.Generator], tuple]
 
 
-def make_splits(gen: Generator, cfg, seed: int, field: str = "data") -> dict:
-    """Draw the train split, then a validation split of distinct examples none of which is in train."""
+def make_splits(gen: Generator, cfg, seed: int, field: str = "data", key: Optional[Callable] = None,
+                hint: str = "a larger vocab_size/seq_len or a smaller train_size/val_size") -> dict:
+    """Draw the train split, then a validation split of distinct examples none of which is in train.
+
+    `key(parts) -> (a, b, c)`: the three (n, k) arrays an example is hashed by (default: the generated
+    x, y, mask; the image tasks hash the image alone, so no validation image was seen in training).
+    `hint`: what to change when the task has too few distinct examples (the error's `allowed:`)."""
+    key = key or (lambda parts: parts[:3])
     base = np.random.SeedSequence([int(seed), 0x5EED])
     train_ss, val_ss = base.spawn(2)
     train = gen(cfg, cfg.train_size, np.random.default_rng(train_ss))
-    seen = set(example_hashes(*train))
+    seen = set(example_hashes(*key(train)))
     val_rng = np.random.default_rng(val_ss)
     parts, n_have = [], 0
     for _ in range(50):
@@ -113,7 +119,7 @@ def make_splits(gen: Generator, cfg, seed: int, field: str = "data") -> dict:
             break
         cand = gen(cfg, max(16, int(need * 1.2)), val_rng)
         keep = []
-        for i, h in enumerate(example_hashes(*cand)):
+        for i, h in enumerate(example_hashes(*key(cand))):
             if h not in seen:
                 seen.add(h)
                 keep.append(i)
@@ -124,10 +130,10 @@ def make_splits(gen: Generator, cfg, seed: int, field: str = "data") -> dict:
     if n_have < cfg.val_size:
         raise ConfigError(
             f"could draw only {n_have} of {cfg.val_size} validation examples not in the training set "
-            f"(the task has too few distinct examples); allowed: a larger vocab_size/seq_len or a smaller train_size/val_size",
+            f"(the task has too few distinct examples); allowed: {hint}",
             field=f"{field}.val_size",
         )
-    val = tuple(np.concatenate([p[j] for p in parts]) for j in range(3))
+    val = tuple(np.concatenate([p[j] for p in parts]) for j in range(len(train)))
     return {"train": train, "val": val}
 
 
