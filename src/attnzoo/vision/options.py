@@ -119,12 +119,16 @@ def encoder_config(cfg: ModelConfig, vis: VisionOptions, multimodal: bool) -> Mo
     model.vision (pre-norm LayerNorm eps 1e-6, bidirectional MHA with biases, GELU MLP x4, no 1-D positions)."""
     if not multimodal:
         return cfg
-    for name in ("d_model", "n_layers", "n_heads"):
+    swin = vis.encoder == "swin"  # its depth and heads are vision.depths / stage_heads
+    for name in ("d_model",) if swin else ("d_model", "n_layers", "n_heads"):
         check(getattr(vis, name) is not None and getattr(vis, name) > 0, f"model.vision.{name}",
               f"the vlm's image encoder needs its own {name}; allowed: a positive integer")
+    n_layers, n_heads = (sum(vis.depths), vis.stage_heads[0]) if swin else (vis.n_layers, vis.n_heads)
+    check(vis.d_model % n_heads == 0, "model.vision.d_model" if not swin else "model.vision.stage_heads",
+          f"{vis.d_model} is not divisible by {n_heads} heads; allowed: {_divisors(vis.d_model)}")
     return resolve_model({
-        "name": f"{vis.encoder}_encoder", "d_model": vis.d_model, "n_layers": vis.n_layers, "n_heads": vis.n_heads,
-        "n_kv_heads": vis.n_heads, "max_seq_len": 1, "norm_position": "pre", "tie_embeddings": False,
+        "name": f"{vis.encoder}_encoder", "d_model": vis.d_model, "n_layers": n_layers, "n_heads": n_heads,
+        "n_kv_heads": n_heads, "max_seq_len": 1, "norm_position": "pre", "tie_embeddings": False,
         "mixer": {"name": "mha", "causal": False, "qkv_bias": True, "out_bias": True},
         "ffn": {"name": "mlp", "activation": "gelu"}, "position": {"name": "none"},
         "norm": {"name": "layernorm", "eps": 1e-6},
