@@ -253,3 +253,27 @@ def test_vlm_learns_easy_shapes_vqa(tmp_path):
     # 2 gated layers x (K and V) x 4 heads x 16 dims x 16 image tokens x 4 bytes
     assert metrics["vision/tokens_per_image"] == 16 and metrics["cache/cross_attn_bytes"] == 2 * 2 * 64 * 16 * 4
     assert metrics["perf/tokens_per_sec"] > 0 and metrics["perf/flops_per_token"] > 0
+
+
+def test_multimodal_smoke_sweep_reports_every_connector(tmp_path):
+    """`attnzoo-sweep multimodal debug=smoke` on a cut grid: every job ok, with the multimodal metrics in the report."""
+    import csv
+
+    from attnzoo.report import build_report
+    from attnzoo.sweep import main as sweep_main
+    from tests.conftest import SESSION_CACHE
+
+    d = tmp_path / "mm"
+    sweep_main(["multimodal", "debug=smoke", f"hydra.sweep.dir={d}", f"paths.cache_dir={SESSION_CACHE}",
+                "hydra/launcher=basic", "model/connector=concat,cross_attention", "model.connector.n_queries=0,4",
+                "optim.lr=3e-3", "data.train_size=64", "data.val_size=16"])
+    build_report(d)
+    rows = list(csv.DictReader(open(d / "report.csv", newline="")))
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    by = {(json.loads((d / r["job"] / "summary.json").read_text())["config"]["model"]["connector"]["name"],
+           json.loads((d / r["job"] / "summary.json").read_text())["config"]["model"]["connector"]["n_queries"]): r
+          for r in rows}
+    assert float(by[("concat", 4)]["vision/tokens_per_image"]) == 4 and float(by[("concat", 0)]["vision/tokens_per_image"]) == 16
+    assert float(by[("concat", 0)]["cache/cross_attn_bytes"]) == 0 < float(by[("cross_attention", 4)]["cache/cross_attn_bytes"])
+    assert float(by[("cross_attention", 4)]["cache/cross_attn_bytes"]) < float(by[("cross_attention", 0)]["cache/cross_attn_bytes"])
+    assert all(0 <= float(r["val/acc"]) <= 1 for r in rows)
