@@ -116,6 +116,18 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     deterministic: bool = False
     benchmark: Optional[bool] = None
+    # sequence parallelism (attnzoo/parallel.py): each sequence split over this many ranks (world = DP x CP)
+    context_parallel: int = 1
+    context_parallel_layout: str = "auto"  # auto | zigzag | contiguous (auto: zigzag when a layer is full causal attention)
+
+    def lightning_kwargs(self) -> dict:
+        """The fields Lightning's Trainer takes (the context-parallel ones are attnzoo's own)."""
+        from dataclasses import asdict
+
+        kw = asdict(self)
+        kw.pop("context_parallel")
+        kw.pop("context_parallel_layout")
+        return kw
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from . import hooks
+from . import hooks, parallel
 from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
 
@@ -224,6 +224,11 @@ class LitLM(TrainingModule):
         self._setup_training(cfg)
         self._val = None
         self._val_has_mask = False
+        trainer_cfg = cfg.get("trainer") or {}
+        self.cp_size = int(trainer_cfg.get("context_parallel", 1) or 1)  # trainer.context_parallel
+        self._cp_layout = parallel.resolve_layout(trainer_cfg.get("context_parallel_layout", "auto"),
+                                                  [m.name for m in self.model.layer_mixers])
+        self._cp_group, self._cp = None, {}  # the group (setup) and one ContextParallel per sequence length
         # the (optionally compiled) callable used by the training/validation steps; not a submodule
         object.__setattr__(self, "_fwd", self.model)
 
@@ -235,6 +240,25 @@ class LitLM(TrainingModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    # ------------------------------------------------------------------ context parallelism (parallel.py)
+    def setup(self, stage: str) -> None:
+        """trainer.context_parallel > 1: split the world into DP x CP groups (after the process group exists)."""
+        if self.cp_size > 1 and self._cp_group is None:
+            self._cp_group = parallel.init_groups(self.cp_size)
+
+    def context(self, seq_len: int):
+        """This rank's ContextParallel for sequences of `seq_len` tokens (None without context parallelism)."""
+        if self._cp_group is None:
+            return None
+        if seq_len not in self._cp:
+            self._cp[seq_len] = parallel.ContextParallel(self._cp_group, parallel.check_layout(
+                seq_len, self.cp_size, self._cp_layout))
+        return self._cp[seq_len]
+
+    def tokens_in_batch(self, batch) -> int:
+        """Tokens this rank processed (its shard of each sequence), for perf/tokens_per_sec."""
+        return batch[0].numel() // self.cp_size
+
     def _loss(self, batch, return_logits: bool = False, logits: torch.Tensor | None = None):
         """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
         `logits`: computed elsewhere (e.g. through a quantized KV cache) instead of by the training forward.
@@ -242,10 +266,16 @@ class LitLM(TrainingModule):
         A batch is (x, y), (x, y, loss_mask) or (x, y, loss_mask, token_mask): with a loss mask only its
         True positions count (synthetic tasks: the answer positions); token_mask marks real (non-padding)
         tokens for routed FFNs' balancing (default: all tokens are real)."""
+        cp = self.context(batch[0].shape[1]) if logits is None else None
+        if cp is not None:
+            batch = self.shard_batch(batch)
         x, y = batch[0], batch[1]
         mask = batch[2] if len(batch) > 2 else None
         token_mask = batch[3] if len(batch) > 3 else None
-        if logits is None:
+        if cp is not None:  # this rank's shard of every sequence; the loss is normalised by the group's count
+            with parallel.sharded(cp):
+                logits = self._fwd(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
+        elif logits is None:
             logits = self._fwd(x, token_mask=token_mask)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         if mask is not None:
@@ -253,14 +283,31 @@ class LitLM(TrainingModule):
             total, count = (ce * m).sum(), m.sum()
         else:
             total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
-        loss = total / count.clamp_min(1)
+        if cp is None:
+            loss = total / count.clamp_min(1)
+        else:
+            # DDP averages gradients over all DP x CP ranks: (1/CP) sum_r CP * grad(total_r) / count_group is the
+            # gradient of the group's mean loss, whatever share of the counted positions each rank holds
+            counts = torch.stack([total.detach(), count]).double()
+            torch.distributed.all_reduce(counts, group=cp.group)
+            loss = total / counts[1].clamp_min(1).to(total.dtype) * cp.size
+            self._group_loss = (counts[0] / counts[1].clamp_min(1)).float()
         return (loss, total.detach(), count, logits) if return_logits else (loss, total.detach(), count)
+
+    def shard_batch(self, batch):
+        """The batch as this rank sees it (its shard of each sequence under context parallelism): what
+        per-position metrics compare the logits with."""
+        cp = self.context(batch[0].shape[1])
+        if cp is None:
+            return batch
+        return tuple(cp.layout.shard(t, cp.rank) if torch.is_tensor(t) and t.dim() >= 2 else t for t in batch)
 
     def training_step(self, batch, batch_idx: int):
         loss, _, _ = self._loss(batch)
         if not self._guard_loss(loss):
             return None  # Lightning skips the optimizer step
-        self.log("train/loss", loss, prog_bar=True)
+        # under context parallelism `loss` is this rank's share (scaled for the gradient); log the group's mean
+        self.log("train/loss", loss if self._cp_group is None else self._group_loss, prog_bar=True)
         return self._with_aux(loss)
 
     def on_validation_epoch_start(self) -> None:
@@ -271,6 +318,7 @@ class LitLM(TrainingModule):
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         """Accumulates the batch's loss sums; returns its logits (a subclass compares them, e.g. linearize)."""
         _, total, count, logits = self._loss(batch, return_logits=True)
+        batch = self.shard_batch(batch)  # the positions these logits are for
         correct = logits.argmax(-1) == batch[1]
         if len(batch) > 2:
             self._val_has_mask = True

@@ -310,7 +310,7 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         from lightning.pytorch.callbacks import TQDMProgressBar
 
         callbacks.append(TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
-    trainer_kwargs = OmegaConf.to_container(OmegaConf.structured(run.trainer))
+    trainer_kwargs = run.trainer.lightning_kwargs()
     trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out),
                         plugins=[AtomicCheckpointIO()], use_distributed_sampler=False)  # our sampler shards
     return trainer, throughput

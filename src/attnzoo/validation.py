@@ -118,6 +118,42 @@ def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
                           field="inference.kv_cache_dtype")
 
 
+def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> None:
+    """trainer.context_parallel: DDP, a decoder LM whose every layer has a sharded path, no attention dropout,
+    and a sequence length that splits into the layout's equal segments, each longer than any conv tail."""
+    from .parallel import LAYOUTS, check_layout, resolve_layout
+    from .registry import MIXERS
+
+    cp = t.context_parallel
+    check(isinstance(cp, int) and cp >= 1, "trainer.context_parallel", f"got {cp!r}; allowed: an integer >= 1")
+    check_choice(t.context_parallel_layout, "trainer.context_parallel_layout", LAYOUTS)
+    if cp == 1:
+        return
+    check(str(t.strategy).startswith("ddp"), "trainer.context_parallel",
+          f"{cp} needs {cp} processes per sequence; allowed with strategy={t.strategy}: 1 (use trainer=ddp_cpu / ddp)")
+    d = t.devices
+    if str(d).isdigit() or isinstance(d, (list, tuple)):
+        world = (int(d) if str(d).isdigit() else len(d)) * t.num_nodes
+        check(world % cp == 0, "trainer.context_parallel",
+              f"{cp} does not divide the {world} processes (devices x num_nodes); allowed: a divisor of {world}")
+    fam = family_of(model)
+    check(fam.name == "decoder", "trainer.context_parallel",
+          f"is for decoder LMs; allowed with model={model.name} ({fam.name} family): 1")
+    mixers = layer_mixer_configs(model)
+    able = sorted(n for n in MIXERS.names() if MIXERS.get(n).cls.context_parallel)
+    for i, mc in enumerate(mixers):
+        check(MIXERS.get(mc.name).cls.context_parallel, "trainer.context_parallel",
+              f"layer {i} is {mc.name}, which has no sharded form; allowed mixers: {', '.join(able)} (or 1)")
+    check(model.dropout == 0, "model.dropout",
+          f"{model.dropout} with trainer.context_parallel={cp}: ring attention has no attention-probability "
+          "dropout; allowed: 0")
+    check(getattr(model.position, "scaling", "none") != "dynamic", "model.position.scaling",
+          "dynamic NTK rescales by the largest position in each call, which differs per shard; allowed with "
+          "trainer.context_parallel > 1: none, linear, yarn, llama3")
+    tail = max([1] + [getattr(mc, "conv_size", 0) - 1 for mc in mixers])
+    check_layout(data.seq_len, cp, resolve_layout(t.context_parallel_layout, [mc.name for mc in mixers]), tail)
+
+
 def _check_linearize(node: Any, model: ModelConfig) -> None:
     """experiment=linearize: the section's values, and a planned student (attnzoo.linearize.apply_linearize,
     which needs model.init_from) — a `linearize` section on any other model is refused."""
@@ -188,6 +224,7 @@ def validate(cfg: DictConfig) -> dict:
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     _check_eval(run.eval, model, data)
     _check_inference(run.inference, model)
+    _check_context_parallel(run.trainer, model, data)
     _check_blocks(model, data)
     _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")

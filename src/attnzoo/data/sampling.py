@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
+from ..parallel import data_rank_world
+
 
 def _rank_world() -> tuple[int, int]:
+    """The data-parallel rank and world: with context parallelism (parallel.py) the ranks of one group share
+    a batch, so the data is sharded over the groups only."""
+    split = data_rank_world()
+    if split is not None:
+        return split
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

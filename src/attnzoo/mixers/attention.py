@@ -27,6 +27,7 @@ from ..cache import LayerCache
 from ..errors import ConfigError
 from ..ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
 from ..norm import RMSNorm
+from .. import parallel
 from ..ops.sliding_window import sliding_window_sdpa
 from ..position import rotary_from_config
 from ..registry import register_mixer
@@ -179,6 +180,7 @@ class AttentionConfig:
 
 class Attention(Mixer):
     window: Optional[int] = None  # sliding-window subclasses set this
+    context_parallel = True  # ring attention (forward_context_parallel)
 
     def __init__(self, cfg: AttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
@@ -252,7 +254,20 @@ class Attention(Mixer):
             dropout_p=self.dropout if self.training else 0.0,
         )
 
+    def forward_context_parallel(self, x: torch.Tensor, positions: torch.Tensor, cp) -> torch.Tensor:
+        """This rank's tokens of a sequence split over a context-parallel group (parallel.py): ring attention
+        over the K/V blocks of every rank, the input conv continuing across the shard boundary."""
+        if self.input_conv is not None:
+            x = cp.conv(self.input_conv, x)
+        q, k, v = self.project(x, positions)
+        y = cp.attention(q, k, v, causal=self.causal, scale=self.scale, window=self.window,
+                         sinks=getattr(self, "sinks", 0), alibi=self.alibi)
+        return self.output(y, x)
+
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        cp = parallel.active()
+        if cp is not None and cache is None:
+            return self.forward_context_parallel(x, positions, cp)
         T = x.shape[1]
         x = self.shift(x, cache)
         q, k, v = self.project(x, positions)
@@ -352,7 +367,7 @@ class SlidingWindowAttention(Attention):
         self.sinks = cfg.sink_tokens
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[SlidingWindowCache] = None):
-        if not self.sinks:
+        if not self.sinks or (cache is None and parallel.active() is not None):
             return super().forward(x, positions=positions, cache=cache)
         # with attention sinks (Xiao et al. 2023, StreamingLLM): key j is visible to query i when
         # i - W < j <= i (the window) or j < sinks (a sink); the cache keeps the sinks beside the ring

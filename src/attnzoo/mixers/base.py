@@ -39,10 +39,14 @@ class Mixer(nn.Module):
       - `impl = "reference"` switches to a slow, obviously-correct form of the same weights: a different
         code path (the contract test fails when the two are bit-identical), equal to fp64 precision;
       - a short input conv (`build_input_conv` / `shift`) keeps its K-1 tail in `cache.conv_tail`;
+      - `context_parallel = True` declares a path for a sequence split over ranks (parallel.active());
       - `layer_shape()` reports what the layer really is (heads, KV heads, sizes, state) for summaries.
     """
 
     impl: str = "fast"
+    # runs on a shard of a sequence split over a context-parallel group (parallel.py; trainer.context_parallel):
+    # forward with cache=None under `parallel.sharded` must equal the full-sequence forward on its tokens
+    context_parallel: bool = False
 
     def __init__(self, cfg: Any, model_cfg: Any, layer_idx: int):
         super().__init__()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel
 from ..errors import ConfigError, check_choice
 from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
 from ..registry import register_mixer
@@ -111,6 +112,10 @@ class DeltaNet(RecurrentMixer):
         if mode == "step":
             o, state = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, None if g is None else g[:, :, 0])
             o = o[:, :, None]
+        elif mode == "cp":  # the reference recurrence or the chunks, per shard, from the passed-in states
+            op = delta_rule_recurrent if self.impl == "reference" else chunk_delta_rule
+            kw = {} if self.impl == "reference" else {"chunk_size": self.chunk_size}
+            o = parallel.active().scan(lambda v_, s0, q_, k_, b_, g_: op(q_, k_, v_, b_, g_, s0, **kw), v, q, k, beta, g)
         elif mode == "reference":
             o, state = delta_rule_recurrent(q, k, v, beta, g, state)
         else:

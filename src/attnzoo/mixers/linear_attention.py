@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import parallel
 from ..errors import ConfigError, check_choice
 from ..ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from ..registry import register_mixer
@@ -98,6 +99,12 @@ class LinearAttention(RecurrentMixer):
         if mode == "step":
             o, state = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, self.scale)
             o = o[:, :, None]
+        elif mode == "cp":  # per shard from the passed-in states (parallel.py)
+            if self.impl == "reference":
+                run = lambda v_, s0, q_, k_: linear_attention_recurrent(q_, k_, v_, s0, self.scale)  # noqa: E731
+            else:
+                run = lambda v_, s0, q_, k_: chunk_linear_attention(q_, k_, v_, s0, self.scale, self.chunk_size)  # noqa: E731
+            o = parallel.active().scan(run, v, q, k)
         elif mode == "reference":
             o, state = linear_attention_recurrent(q, k, v, state, self.scale)
         else:

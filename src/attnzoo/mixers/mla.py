@@ -30,6 +30,7 @@ from torch import nn
 from ..cache import LayerCache
 from ..errors import ConfigError, check_choice
 from ..norm import RMSNorm
+from .. import parallel
 from ..ops.attention import attention_mask, attention_reference, attention_sdpa
 from ..position import rotary_from_config
 from ..registry import register_mixer
@@ -113,6 +114,7 @@ class MLAConfig:
 
 @register_mixer("mla", MLAConfig)
 class MLA(Mixer):
+    context_parallel = True  # ring attention over the expanded K/V (forward)
     def __init__(self, cfg: MLAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         s = cfg.sizes(model_cfg)
@@ -214,6 +216,13 @@ class MLA(Mixer):
     # ------------------------------------------------------------------ contract
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[LatentCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
+        cp = parallel.active()
+        if cp is not None and cache is None:  # context parallel (parallel.py): ring attention on the expanded K/V
+            x = x if self.input_conv is None else cp.conv(self.input_conv, x)
+            q_nope, q_rope, latent = self.project(x, positions)
+            k, v = self.expand(latent)
+            y = cp.attention(torch.cat([q_nope, q_rope], dim=-1), k, v, causal=True, scale=self.scale)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dv))
         q_nope, q_rope, latent = self.project(self.shift(x, cache), positions)
         if cache is not None:
             latent = cache.update(latent)  # (B, S, r + dr): every token so far

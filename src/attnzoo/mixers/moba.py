@@ -73,6 +73,7 @@ class MoBAConfig(AttentionConfig):
 @register_mixer("moba", MoBAConfig)
 class MixtureOfBlockAttention(Attention):
     SHAPE_FIELDS = Attention.SHAPE_FIELDS + ("block_size", "topk")
+    context_parallel = False  # top-k block selection over the whole past: no ring form here
 
     def __init__(self, cfg: MoBAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

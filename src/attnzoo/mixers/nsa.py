@@ -86,6 +86,7 @@ class NSAConfig(AttentionConfig):
 @register_mixer("nsa", NSAConfig)
 class NativeSparseAttention(Attention):
     SHAPE_FIELDS = Attention.SHAPE_FIELDS + ("block_size", "block_counts")
+    context_parallel = False  # top-k block selection over the whole past: no ring form here
 
     def __init__(self, cfg: NSAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import parallel
 from ..cache import LayerCache
 from .base import Mixer, dtype_bytes
 from .short_conv import ShortConvolution
@@ -71,6 +72,8 @@ class GatedRMSNorm(nn.Module):
 class RecurrentMixer(Mixer):
     """Subclasses call `build(...)` from __init__ and implement `mix(q, k, v, x, state, mode)`."""
 
+    context_parallel = True  # state passing (mode "cp")
+
     def build(
         self,
         *,
@@ -99,14 +102,18 @@ class RecurrentMixer(Mixer):
     # ------------------------------------------------------------------ forward
     def mix(self, q, k, v, x, state: Optional[torch.Tensor], mode: str):
         """q, k (B, T, Hqk, Dqk), v (B, T, Hv, Dv) in >= fp32; x the mixer input (B, T, d_model);
-        state (B, Hv, *state_shape) or None; mode "reference" | "chunk" | "step".
+        state (B, Hv, *state_shape) or None; mode "reference" | "chunk" | "step" | "cp" (this rank's tokens
+        of a context-parallel split: run the op through `parallel.active().scan`, returning state None).
         Returns o (B, T, Hv, Dv) and the final state."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[RecurrentStateCache] = None):
         B, T, _ = x.shape
         qkv = self.qkv(x)
-        if self.conv is not None:
+        cp = parallel.active() if cache is None else None  # context parallel (parallel.py): state passing
+        if cp is not None:
+            qkv = qkv if self.conv is None else cp.conv(self.conv, qkv)
+        elif self.conv is not None:
             qkv, tail = self.conv(qkv, None if cache is None else cache.conv_tail)
             if cache is not None:
                 cache.conv_tail = tail.to(cache.conv_tail.dtype)
@@ -116,7 +123,9 @@ class RecurrentMixer(Mixer):
         q = q.reshape(B, T, self.n_qk_heads, self.qk_dim)
         k = k.reshape(B, T, self.n_qk_heads, self.qk_dim)
         v = v.reshape(B, T, self.n_v_heads, self.v_dim)
-        if self.impl == "reference":
+        if cp is not None:
+            mode = "cp"
+        elif self.impl == "reference":
             mode = "reference"
         else:
             mode = "step" if (cache is not None and T == 1) else "chunk"
