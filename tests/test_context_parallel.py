@@ -94,7 +94,8 @@ def _assert_equal(rows):
 
 
 def test_every_mixer_sharded_on_two_processes_equals_one_process():
-    jobs = [(c, lay, dt, 48, 2) for c in CASES for lay in ("zigzag", "contiguous") for dt in ("float64", "float32")]
+    jobs = [(c, lay, dt, 48, 2, impl) for c in CASES for lay in ("zigzag", "contiguous") for dt in ("float64", "float32")
+            for impl in ("fast", "reference")]
     rows = run_check(2, jobs)
     assert {r["mixer"] for r in rows} == set(CASES)
     _assert_equal(rows)
@@ -106,6 +107,7 @@ def test_every_mixer_sharded_on_two_processes_equals_one_process():
 def test_every_mixer_sharded_on_four_processes_equals_one_process():
     jobs = [(c, lay, "float64", 96, 1) for c in CASES for lay in ("zigzag", "contiguous")]
     jobs += [(c, "zigzag", "float32", 96, 1) for c in ("gqa", "gated_deltanet", "hybrid gdn/gqa/swa")]
+    jobs += [(c, "zigzag", "float64", 96, 1, "reference") for c in ("gqa+alibi", "sliding_window W5 + 2 sinks", "mla")]
     jobs += [("gqa", "zigzag", "float64", 100, 1)]  # 100 tokens do not split into 8 segments: refused
     rows = run_check(4, jobs)
     refused = rows.pop()

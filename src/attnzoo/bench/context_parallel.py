@@ -77,7 +77,8 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / max(1.0, float(ref.abs().max())))
 
 
-def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, batch: int, group) -> dict:
+def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, batch: int, group,
+               impl: str = "fast") -> dict:
     """One equivalence check on this rank (collective: every rank of `group` calls it with the same args)."""
     import torch.distributed as dist
 
@@ -97,6 +98,7 @@ def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, ba
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     cp = ContextParallel(group, lay)
+    cp.impl = impl
     with sharded(cp):
         out = model(lay.shard(idx, rank), positions=lay.positions(rank))
     (out * lay.shard(w, rank)).sum().backward()
@@ -112,7 +114,7 @@ def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, ba
         e = _rel_err(gsum, ref_grads[n])
         if e >= grad_err:
             grad_err, worst = e, n
-    return {"mixer": case, "layout": layout_name, "dtype": str(dtype).removeprefix("torch."), "ranks": size,
+    return {"mixer": case, "layout": layout_name, "ring": impl, "dtype": str(dtype).removeprefix("torch."), "ranks": size,
             "seq_len": seq_len, "out err": _rel_err(full, ref.detach()), "grad err": grad_err, "worst grad": worst,
             "hops": max(cp._hops.values(), default=None)}
 
@@ -127,13 +129,15 @@ def _min_segment(cfg: dict) -> int:
 def _check_worker(rank: int, world: int, port: int, jobs: list, out_path: str) -> None:
     import torch.distributed as dist
 
+    from ..errors import ConfigError
+
     _init(rank, world, port, 1)
     group = dist.new_group(list(range(world)))
     rows = []
-    for case, layout, dtype_name, seq_len, batch in jobs:
+    for case, layout, dtype_name, seq_len, batch, *impl in jobs:
         try:
-            rows.append(check_case(case, layout, getattr(torch, dtype_name), seq_len, batch, group))
-        except Exception as e:  # a refusal (e.g. a length that does not split) is a result, not a crash
+            rows.append(check_case(case, layout, getattr(torch, dtype_name), seq_len, batch, group, *impl))
+        except ConfigError as e:  # a refusal (a length that does not split: every rank alike, before any exchange)
             rows.append({"mixer": case, "layout": layout, "dtype": dtype_name, "ranks": world, "seq_len": seq_len,
                          "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
     if rank == 0:
@@ -143,7 +147,7 @@ def _check_worker(rank: int, world: int, port: int, jobs: list, out_path: str) -
 
 
 def run_check(world: int, jobs: list) -> list[dict]:
-    """Run equivalence jobs [(case, layout, dtype name, seq_len, batch)] on `world` gloo processes."""
+    """Run equivalence jobs [(case, layout, dtype name, seq_len, batch[, ring impl])] on `world` gloo processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="attnzoo-cp-") as tmp:
@@ -232,13 +236,14 @@ def run(args) -> dict:
         rows = []
         for world in args.ranks:
             seq = 48 if world <= 2 else 96  # 2N segments of >= 6 tokens for every conv tail
-            jobs = [(c, lay, dt, seq, 2) for c in CASES for lay in ("zigzag", "contiguous") for dt in ("float64", "float32")]
+            jobs = [(c, lay, dt, seq, 2, impl) for c in CASES for lay in ("zigzag", "contiguous")
+                    for dt in ("float64", "float32") for impl in ("fast", "reference")]
             rows += run_check(world, jobs)
         for r in rows:
             tol = 1e-10 if r.get("dtype") == "float64" else 1e-5
             r["equal"] = "error" not in r and r["out err"] <= tol and r["grad err"] <= tol
         return {"title": "Context parallelism: sharded forward/backward vs one process", "rows": rows,
-                "columns": ["mixer", "layout", "dtype", "ranks", "seq_len", "out err", "grad err", "worst grad", "equal"],
+                "columns": ["mixer", "layout", "ring", "dtype", "ranks", "seq_len", "out err", "grad err", "worst grad", "equal"],
                 "notes": ["err: max |sharded - single process| / max(1, max |single process|); outputs gathered, "
                           "gradients summed over ranks; tolerance 1e-10 (float64), 1e-5 (float32)."]}
     rows = []
