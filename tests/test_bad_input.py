@@ -142,6 +142,16 @@ def _cases(tmp):
         ("encdec unknown option", ["model=encdec", "data=reversal", "+model.encdec.nosuch=1"], "model.encdec.nosuch", "unknown key"),
         ("encoder mask probability", ["model=encoder", "+model.encdec.mlm_prob=0"], "model.encdec.mlm_prob", "(0, 1)"),
         ("encdec non-causal decoder", ["model=encdec", "data=reversal", "model.mixer.causal=false"], "model.mixer.causal", "must be causal"),
+        ("vit patch not dividing the image", ["model=vit", "data=digits", "model.vision.patch_size=3"], "model.vision.patch_size",
+         "3 does not divide the image size 8; allowed: 1, 2, 4, 8"),
+        ("swin window not dividing the patch grid", ["model=swin", "data=digits", "model.vision.window_size=3"],
+         "model.vision.window_size", "does not divide the 4x4 patch grid of stage 0"),
+        ("connector on an encoder-only model", ["model=vit", "data=digits", "+model/connector=concat"], "model.connector",
+         "allowed: null, or model=vlm"),
+        ("resampler without queries", ["model=vlm", "data=shapes", "model/connector=resampler", "model.connector.n_queries=0"],
+         "model.connector.n_queries", ">= 1 learned queries"),
+        ("vlm on a classification task", ["model=vlm", "data=shapes", "data.task=classify"], "data",
+         "cannot train on data=shapes; allowed: shapes with data.task=vqa or caption"),
     ]
     # training, schedule, trainer, callbacks, loggers
     cases += [
