@@ -86,6 +86,6 @@ def main(argv: list[str] | None = None) -> None:
         result = mods[args.cmd].run(args)
     except (ConfigError, ValueError) as e:  # a bad combination of flags: one line, not a traceback
         parser.exit(2, f"attnzoo-bench {args.cmd}: error: {str(e).splitlines()[0]}\n")
-    js, md = write_result(args.cmd, result, args.out, argv)
+    js, md = write_result(result.pop("name", args.cmd), result, args.out, argv)  # a mode may name its own files
     print(md.read_text())
     print(f"wrote {js} and {md}")

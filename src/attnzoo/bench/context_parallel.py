@@ -223,7 +223,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mixers", nargs="+", default=None, help="timing: mixer cases (default gqa gated_deltanet)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--layout", default="auto", help="auto (as training picks it) | zigzag | contiguous")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", dest="threads_per_rank", type=int, default=1, help="torch threads per process")
 
@@ -232,6 +232,8 @@ QUICK = {"seq_len": 256, "steps": 1}
 
 
 def run(args) -> dict:
+    from ..parallel import resolve_layout
+
     if args.check:
         rows = []
         for world in args.ranks:
@@ -241,8 +243,9 @@ def run(args) -> dict:
             rows += run_check(world, jobs)
         for r in rows:
             tol = 1e-10 if r.get("dtype") == "float64" else 1e-5
-            r["equal"] = "error" not in r and r["out err"] <= tol and r["grad err"] <= tol
-        return {"title": "Context parallelism: sharded forward/backward vs one process", "rows": rows,
+            r["equal"] = "yes" if "error" not in r and r["out err"] <= tol and r["grad err"] <= tol else "NO"
+        return {"name": "context_parallel_check", "title": "Context parallelism: sharded forward/backward vs one process",
+                "rows": rows,
                 "columns": ["mixer", "layout", "ring", "dtype", "ranks", "seq_len", "out err", "grad err", "worst grad", "equal"],
                 "notes": ["err: max |sharded - single process| / max(1, max |single process|); outputs gathered, "
                           "gradients summed over ranks; tolerance 1e-10 (float64), 1e-5 (float32)."]}
@@ -252,18 +255,20 @@ def run(args) -> dict:
                "max_seq_len": max(args.seq_len, 2048)}
         if "mixers" not in cfg:
             cfg["mixer"] = {k: v for k, v in cfg["mixer"].items() if k != "chunk_size"}  # the mixer's default chunks
-        spec = {"model": cfg, "seq_len": args.seq_len, "vocab": 256, "steps": args.steps, "layout": args.layout,
+        names = [m["name"] for m in ([cfg["mixer"]] if "mixer" in cfg else []) + list((cfg.get("mixers") or {}).values())]
+        layout = resolve_layout(args.layout, names)
+        spec = {"model": cfg, "seq_len": args.seq_len, "vocab": 256, "steps": args.steps, "layout": layout,
                 "threads": args.threads_per_rank}
         one = run_timing(1, spec)[0]
-        rows.append({"mixer": mixer, "ranks": 1, "rank": 0, "tokens/rank": args.seq_len, **one})
+        rows.append({"mixer": mixer, "layout": "-", "ranks": 1, "rank": 0, "tokens/rank": args.seq_len, **one})
         for world in args.ranks:
             for r in run_timing(world, spec):
-                rows.append({"mixer": mixer, "ranks": world, "tokens/rank": args.seq_len // world, **r,
+                rows.append({"mixer": mixer, "layout": layout, "ranks": world, "tokens/rank": args.seq_len // world, **r,
                              "peak vs 1 process": r["peak MiB"] / one["peak MiB"]})
     return {"title": f"Context parallelism on CPU: {args.seq_len} tokens, forward + backward", "rows": rows,
-            "columns": ["mixer", "ranks", "rank", "tokens/rank", "seconds/step", "tokens/s", "comm share", "peak MiB",
+            "columns": ["mixer", "layout", "ranks", "rank", "tokens/rank", "seconds/step", "tokens/s", "comm share", "peak MiB",
                         "peak vs 1 process"],
-            "notes": [f"d_model={args.d_model} n_layers={args.n_layers} batch 1, {args.layout} layout, "
+            "notes": [f"d_model={args.d_model} n_layers={args.n_layers} batch 1, layout {args.layout}, "
                       f"{args.threads_per_rank} thread(s) per process, gloo; {args.steps} timed steps after one "
                       "untimed (whose peak is the memory column: ru_maxrss after it minus the RSS before it); "
                       "comm share: exposed communication time / step time."]}
