@@ -155,6 +155,12 @@ def _cases(tmp):
     ]
     # training, schedule, trainer, callbacks, loggers
     cases += [
+        ("context parallel without DDP", ["trainer.context_parallel=2"], "trainer.context_parallel",
+         "needs 2 processes per sequence"),
+        ("context parallel with nsa", ["trainer=ddp_cpu", "trainer.context_parallel=2", "model/mixer=nsa"],
+         "trainer.context_parallel", "layer 0 is nsa, which has no sharded form"),
+        ("context parallel, uneven length", ["trainer=ddp_cpu", "trainer.context_parallel=2", "data.seq_len=30"],
+         "data.seq_len", "does not split into 4 equal segments"),
         ("zero lr", ["optim.lr=0"], "optim.lr", "must be positive"),
         ("zero eps", ["optim.eps=0"], "optim.eps", "must be positive"),
         ("unknown optimizer", ["optim.name=sgd"], "optim.name", "allowed: adamw"),
