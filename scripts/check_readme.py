@@ -16,6 +16,9 @@
   `attnzoo-generate` / `attnzoo-eval`); OUT under `~` lands in the temp home, where a later
   `attnzoo-train 'model.init_from="~/..."'` reads it.
 
+Commands run in two lanes side by side (`lanes`): the ones that read an earlier command's output in README order,
+the others beside them.
+
     .venv/bin/python scripts/check_readme.py [README.md]
 """
 from __future__ import annotations
@@ -168,9 +171,41 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
     return f"failed: no smoke form for {tool!r}", None
 
 
+CONSUMERS = ("attnzoo-generate", "attnzoo-eval", "attnzoo-export", "attnzoo-lm-eval", "attnzoo-report")
+
+
+def sets_run(cmd: str) -> bool:
+    """A command whose run becomes `<run>` for the generate / eval / export commands after it (as `run` decides)."""
+    argv = strip_comment(cmd.split("&&", 1)[1] if cmd.startswith("bash scripts/setup.sh && ") else cmd)
+    args = argv[1:]
+    return (argv[0].removeprefix(".venv/bin/") == "attnzoo-train" and "-m" not in args and "--multirun" not in args
+            and not any(h.strip() in args for h in HARDWARE) and "trainer=ddp" not in args
+            and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args))
+
+
+def lanes(cmds: list[str]) -> tuple[list[int], list[int]]:
+    """Two lanes run side by side (2 cores): the serial lane keeps, in README order, every command that reads
+    what an earlier one made (generate / eval / export / lm-eval / report, `~/exported`, a sweep dir a report
+    names) and the training run each of those reads (the last one before it); every other command is
+    independent of the others and goes to the second lane."""
+    serial = set()
+    for i, cmd in enumerate(cmds):
+        tool = strip_comment(cmd)[0] if not cmd.startswith("bash ") else ""
+        if tool in CONSUMERS or "~/exported" in cmd or (tool == "attnzoo-sweep" and "hydra.sweep.dir=" in cmd):
+            serial.add(i)
+            if tool in CONSUMERS[:4]:
+                last = max((j for j in range(i) if sets_run(cmds[j])), default=None)
+                if last is not None:
+                    serial.add(last)
+    return sorted(serial), [i for i in range(len(cmds)) if i not in serial]
+
+
 def main() -> None:
+    import threading
+
     readme = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "README.md"
-    failed = 0
+    failed = []
+    lock = threading.Lock()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         home = tmp / "home"
@@ -179,16 +214,28 @@ def main() -> None:
         env = {**os.environ, "HOME": str(home), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
                "ATTNZOO_CACHE": os.environ.get("ATTNZOO_CACHE", str(Path.home() / ".cache" / "attnzoo"))}
         env.pop("WANDB_API_KEY", None)
-        sweep_dirs: dict = {}
-        for n, cmd in enumerate(commands(readme)):
-            t0 = time.time()
-            how, res = run(cmd, tmp, env, sweep_dirs, n)
-            ok = not how.startswith("failed") and (res is None or res.returncode == 0)
-            failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {time.time() - t0:5.1f}s  {how:40s} {cmd.strip()}", flush=True)
-            if not ok and res is not None:
-                print("     " + (res.stdout[-1500:] + res.stderr[-1500:]).replace("\n", "\n     "))
-    print(f"{failed} failed" if failed else "every README command passed")
+        cmds = commands(readme)
+
+        def lane(indices: list[int], sweep_dirs: dict) -> None:
+            for n in indices:
+                cmd = cmds[n]
+                t0 = time.time()
+                how, res = run(cmd, tmp, env, sweep_dirs, n)
+                ok = not how.startswith("failed") and (res is None or res.returncode == 0)
+                with lock:
+                    if not ok:
+                        failed.append(cmd)
+                    print(f"{'ok  ' if ok else 'FAIL'} {time.time() - t0:5.1f}s  {how:40s} {cmd.strip()}", flush=True)
+                    if not ok and res is not None:
+                        print("     " + (res.stdout[-1500:] + res.stderr[-1500:]).replace("\n", "\n     "))
+
+        serial, independent = lanes(cmds)
+        threads = [threading.Thread(target=lane, args=(serial, {})), threading.Thread(target=lane, args=(independent, {}))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    print(f"{len(failed)} failed" if failed else "every README command passed")
     sys.exit(1 if failed else 0)
 
 
