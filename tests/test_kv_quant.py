@@ -11,6 +11,7 @@ import torch
 from attnzoo.config import ConfigError
 from attnzoo.kv_quant import (KVFormat, QuantizedKVCache, decode_calls, dequantize, logits_through_cache, pack,
                               quantize, unpack)
+from attnzoo.mixers.attention import KVCache
 from attnzoo.model import DecoderLM
 from attnzoo.validation import validate
 from tests.conftest import SMALL_TEXT, compose_cfg, tiny_model_cfg
@@ -105,6 +106,15 @@ def owns_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def holds_no_hidden_memory(layer) -> bool:
+    """Every tensor owns its storage, except a plain KVCache's k / v: views of its doubling buffers, which
+    `allocated_bytes()` reports and which hold at most the filled part again."""
+    if type(layer) is KVCache:
+        return layer.allocated_bytes() <= 2 * layer.nbytes() and all(
+            t.untyped_storage().nbytes() <= 2 * t.numel() * t.element_size() for t in layer.tensors())
+    return all(owns_storage(t) for t in layer.tensors())
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("mixer,kw", [("gqa", {}), ("mha", {"head_dim": 10}), ("mqa", {}),
                                       ("gqa", {"pattern": ["gqa", "sliding_window", "mla", "deltanet"], "n_layers": 4})],
@@ -112,7 +122,7 @@ def owns_storage(t: torch.Tensor) -> bool:
 def test_measured_bytes_equal_analytic(fmt, mixer, kw):
     """After prefills of lengths below R, at R + G, not multiples of G, and after every decode step: the
     bytes held == model.cache_bytes(n, B, kv_format=fmt); every held tensor owns its storage (no view pins a
-    larger one); the other mixers' caches are the plain ones, byte for byte."""
+    larger one) but the plain cache's doubling buffers (at most 2x, reported by allocated_bytes); the other mixers' caches are the plain ones, byte for byte."""
     m = build(mixer, **kw)
     for prompt in (1, 2, 7, 11):
         x = tokens(2, prompt + 6)
@@ -122,7 +132,7 @@ def test_measured_bytes_equal_analytic(fmt, mixer, kw):
                 m(x[:, s:e], cache=cache)
                 m(x[:, s:e], cache=plain)
                 assert cache.nbytes() == m.cache_bytes(e, 2, torch.float32, kv_format=fmt), (prompt, e)
-                assert all(owns_storage(t) for layer, mx in zip(cache.layers, m.mixers) for t in layer.tensors()
+                assert all(holds_no_hidden_memory(layer) for layer, mx in zip(cache.layers, m.mixers)
                            if mx.cfg.name in ("mha", "gqa", "mqa"))
         for layer, mixer_ in zip(range(len(m.mixers)), m.mixers):
             if mixer_.cfg.name not in ("mha", "gqa", "mqa"):

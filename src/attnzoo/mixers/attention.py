@@ -34,19 +34,44 @@ from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
 
 
+class _Capacity:
+    """The buffers behind a KVCache's k / v views (not a tensor attribute: `nbytes()` counts the filled views,
+    beam search's reorder leaves it alone, and `KVCache.update` rebuilds it when k is no longer its view)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
 class KVCache(LayerCache):
     """Keys and values of every past token: k, v of shape (B, n_kv_heads, T, head_dim).
 
-    Grows by concatenation, so it holds exactly the tokens seen (no preallocated slack to hide memory).
+    The first call (the prefill) stores exactly its tokens. Later calls write into buffers whose capacity
+    doubles when full, so decoding copies each token once (amortised) instead of copying the whole cache per
+    token; k and v are views of the filled part. `nbytes()` counts the filled part (the context's cache,
+    equal to `cache_bytes`); `allocated_bytes()` also the spare capacity (at most the filled part again).
+    With autograd recording (a cache in a graph) it concatenates instead, so no in-place write can touch a
+    tensor the graph saved.
     """
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self._capacity: Optional[_Capacity] = None
 
     @property
     def seq_len(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
+
+    def allocated_bytes(self) -> int:
+        """Bytes really allocated: the buffers (capacity) when k / v are their views, else nbytes()."""
+        cap = self._capacity
+        if cap is not None and self.k is not None and cap.k.data_ptr() == self.k.data_ptr():
+            return self.nbytes() - self.k.numel() * self.k.element_size() - self.v.numel() * self.v.element_size() \
+                + cap.nbytes()
+        return self.nbytes()
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new (B, Hkv, t, D) keys/values; return all keys/values so far."""
@@ -54,9 +79,21 @@ class KVCache(LayerCache):
             # own copies: k/v may be views into the fused qkv activation, which would stay alive
             # (and uncounted) behind them
             self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
-        else:
-            self.k = torch.cat([self.k, k], dim=2)
-            self.v = torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+        if torch.is_grad_enabled() and (k.requires_grad or self.k.requires_grad):
+            self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+        n, t = self.k.shape[2], k.shape[2]
+        cap = self._capacity
+        if (cap is None or cap.k.data_ptr() != self.k.data_ptr() or cap.k.shape[2] < n + t
+                or cap.k.dtype != k.dtype or cap.k.shape[:2] != self.k.shape[:2]):
+            size = max(2 * n, n + t)  # doubling: each token is copied O(1) times over a whole decode
+            kb = self.k.new_empty(*self.k.shape[:2], size, self.k.shape[3])
+            vb = self.v.new_empty(*self.v.shape[:2], size, self.v.shape[3])
+            kb[:, :, :n], vb[:, :, :n] = self.k, self.v
+            cap = self._capacity = _Capacity(kb, vb)
+        cap.k[:, :, n:n + t], cap.v[:, :, n:n + t] = k, v
+        self.k, self.v = cap.k[:, :, :n + t], cap.v[:, :, :n + t]
         return self.k, self.v
 
 
