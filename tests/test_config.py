@@ -35,17 +35,31 @@ def test_every_option_composes_validates_and_builds(group, option, tmp_path):
         extra = ["data=reversal"]
     elif group == "data" and option in SEQ2SEQ_DATA:
         extra = ["model=encdec"]
+    elif group == "model" and option in ("vit", "swin"):  # image classifiers, and the VLM on shapes VQA
+        extra = ["data=digits"]
+    elif (group, option) == ("model", "vlm"):
+        extra = ["data=shapes"]
     cfg = compose_cfg([f"{group}={option}", *extra, "debug=smoke"] if group != "debug" else [f"debug={option}"], tmp_path)
     if (group, option) == ("experiment", "linearize"):  # needs model.init_from (tests/test_linearize.py runs it)
         with pytest.raises(ConfigError, match="^model.init_from: experiment=linearize needs"):
             validate(cfg)
         return
     parts = validate(cfg)
-    family = family_of(parts["model"])
-    model = family.build_model(parts["model"], 64)
+    model_cfg, data = parts["model"], parts["data"]
+    family = family_of(model_cfg)
+    if family.name in ("vision", "vlm"):  # a vision model is built for its data's images (train() passes them)
+        model_cfg.vision = {**model_cfg.vision, "image_size": data.image_size, "channels": data.channels}
+    model = family.build_model(model_cfg, 64)
     x = torch.randint(3, 64, (1, 8))
+    if family.name == "vision":
+        with torch.no_grad():
+            assert model(torch.rand(1, data.channels, data.image_size, data.image_size)).shape == (1, 64)
+        return
     with torch.no_grad():
-        logits = model(x, x) if family.name == "encdec" else model(x)
+        if family.name == "vlm":
+            logits = model(x, torch.rand(1, data.channels, data.image_size, data.image_size))
+        else:
+            logits = model(x, x) if family.name == "encdec" else model(x)
     assert logits.shape[:2] == (1, 8) and logits.shape[-1] in (64, 65)  # the encoder MLM adds [MASK]
 
 

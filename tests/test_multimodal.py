@@ -277,3 +277,39 @@ def test_multimodal_smoke_sweep_reports_every_connector(tmp_path):
     assert float(by[("concat", 0)]["cache/cross_attn_bytes"]) == 0 < float(by[("cross_attention", 4)]["cache/cross_attn_bytes"])
     assert float(by[("cross_attention", 4)]["cache/cross_attn_bytes"]) < float(by[("cross_attention", 0)]["cache/cross_attn_bytes"])
     assert all(0 <= float(r["val/acc"]) <= 1 for r in rows)
+
+
+def test_concat_keeps_the_image_in_its_tokens_while_training(tmp_path):
+    """The concat failure (docs/vision.md): trained at the decoder's lr, the from-scratch image encoder turns
+    image-independent behind the concat connector (the image tokens' across-image std / rms: 0.59 at init,
+    0.003 after 40 steps), and concat stays at the text-only accuracy while cross-attention learns.
+    model.vision.lr_scale = 0.1 trains the encoder at optim.lr x 0.1 in its own AdamW groups: 0.10 here."""
+    from omegaconf import OmegaConf
+
+    from attnzoo.data.shapes import ShapesConfig, ShapesDataModule
+    from attnzoo.lit import param_groups
+
+    cfg = compose_cfg(["experiment=vlm_shapes", "data.max_objects=1", "data.relations=false"], tmp_path)
+    dm = ShapesDataModule(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ShapesConfig), cfg.data)), seed=0)
+    dm.setup()
+    torch.manual_seed(0)
+    model = VisionLanguageModel(OmegaConf.to_container(cfg.model, resolve=True), dm.vocab_size, dm.image_size, 3)
+    groups = param_groups(model, 0.05, lr=3e-3)
+    assert {g.get("lr_scale") for g in groups} == {None, 0.1}
+    assert all(g["lr"] == pytest.approx(3e-4) for g in groups if "lr" in g)
+    opt = torch.optim.AdamW(groups, lr=3e-3)
+    x, y, mask, images = dm.train_set.tensors
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        i = torch.randint(0, len(x), (64,), generator=g)
+        logits = model(x[i], images[i])
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[i].flatten(), reduction="none")
+        loss = (ce * mask[i].flatten()).sum() / mask[i].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    with torch.no_grad():
+        tokens = model.encode_image(images[:256])  # (B, M, d)
+    varying = (tokens.var(0).mean() / tokens.pow(2).mean()).sqrt().item()  # the part that depends on the image
+    assert varying > 0.03, varying

@@ -83,20 +83,25 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None) -> list[dict]:
     """AdamW groups: decay on weight matrices only; none on norms, biases, embeddings, and parameters
-    flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias)."""
-    decay, no_decay, seen = [], [], set()
+    flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias). Parameters flagged `_lr_scale`
+    (model=vlm's image encoder, model.vision.lr_scale) get groups of their own at lr * scale."""
+    groups: dict = {}
+    seen: set = set()
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False):
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False)
+        groups.setdefault((getattr(p, "_lr_scale", 1.0), decay), []).append(p)
+    out = [{"params": groups.pop((1.0, True), []), "weight_decay": weight_decay},
+           {"params": groups.pop((1.0, False), []), "weight_decay": 0.0}]
+    for (scale, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        out.append({"params": params, "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale,
+                    **({"lr": lr * scale} if lr is not None else {})})
+    return out
 
 
 class NonFiniteLossError(RuntimeError):
@@ -186,7 +191,7 @@ class TrainingModule(L.LightningModule):
         # mixed-precision modes keep the foreach implementation.
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         opt = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            param_groups(self.model, o.weight_decay, o.lr), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
             fused="mixed" not in precision,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())

@@ -55,6 +55,9 @@ class VisionLanguageModel(nn.Module):
         self.lm = DecoderLM(self.cfg)
         self.encoder = build_encoder(setup.encoder, self.vision, cls_token=False)
         self.encoder.apply(init_vision_weights)
+        for p in self.encoder.parameters():  # its own AdamW groups at optim.lr * lr_scale (lit.param_groups)
+            p._lr_scale = self.vision.lr_scale
+            p.requires_grad_(self.vision.lr_scale > 0)
         d_img, conn = self.encoder.d_out, self.connector
         self.resampler = None
         if conn.n_queries:
