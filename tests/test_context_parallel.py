@@ -104,8 +104,16 @@ def test_every_mixer_sharded_on_two_processes_equals_one_process():
     assert hops[("gqa", "zigzag")] == 2
 
 
+def _mixers(case: str) -> list:
+    cfg = CASES[case]
+    return [cfg["mixer"]] if "mixer" in cfg else list(cfg["mixers"].values())
+
+
 def test_every_mixer_sharded_on_four_processes_equals_one_process():
-    jobs = [(c, lay, "float64", 96, 1) for c in CASES for lay in ("zigzag", "contiguous")]
+    # every case once, in the layout `auto` gives it (both layouts of every case run on 2 processes above), and
+    # full attention contiguously too: it must go round the whole ring where the window stops after one hop
+    jobs = [(c, resolve_layout("auto", [m["name"] for m in _mixers(c)]), "float64", 96, 1) for c in CASES]
+    jobs += [("gqa", "contiguous", "float64", 96, 1)]
     jobs += [(c, "zigzag", "float32", 96, 1) for c in ("gqa", "gated_deltanet", "hybrid gdn/gqa/swa")]
     jobs += [(c, "zigzag", "float64", 96, 1, "reference") for c in ("gqa+alibi", "sliding_window W5 + 2 sinks", "mla")]
     jobs += [("gqa", "zigzag", "float64", 100, 1)]  # 100 tokens do not split into 8 segments: refused
