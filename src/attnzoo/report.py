@@ -318,6 +318,29 @@ def _no_labels():
     return NullFormatter()
 
 
+def _compact(x: float) -> str:
+    for div, unit in ((2**30, "Gi"), (2**20, "Mi"), (2**10, "Ki")):
+        if x >= div and x % (div // 16) == 0:
+            return f"{x / div:g}{unit}"
+    return f"{x:,.0f}" if x >= 1 and float(x).is_integer() else f"{x:.3g}"
+
+
+def _ticks_at_data(ax, most: int = 8) -> None:
+    """A log axis whose data sit inside one decade has no labelled (major) tick: label the data's own x values
+    instead when there are few of them (cache bytes, context lengths)."""
+    import numpy as np
+
+    xs = set()
+    for line in ax.get_lines():
+        xs.update(float(x) for x in np.asarray(line.get_xdata(), dtype=float) if np.isfinite(x) and x > 0)
+    for coll in ax.collections:
+        xs.update(float(x) for x in np.asarray(coll.get_offsets())[:, 0] if np.isfinite(x) and x > 0)
+    if 0 < len(xs) <= most:
+        ticks = sorted(xs)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_compact(x) for x in ticks])
+
+
 def _colors(names: list[str]) -> dict:
     plt = _plt()
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
@@ -364,6 +387,7 @@ def _faceted_plot(items: list[dict], draw, *, xlabel: str, ylabel: str, title: s
         if xscale:
             ax.set_xscale(xscale, base=xbase)
             ax.xaxis.set_minor_formatter(_no_labels())  # minor log ticks labelled "3x10^2 4x10^2" overlap
+            _ticks_at_data(ax)
         ax.set_title(facet, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
