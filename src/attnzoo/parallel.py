@@ -30,7 +30,6 @@ waiting, not the part overlapped with computation), for the benchmark's communic
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -141,10 +140,6 @@ def init_groups(cp_size: int):
 def data_rank_world() -> Optional[tuple[int, int]]:
     """(DP rank, DP world) when context parallelism split the world, else None (shard over every rank)."""
     return (_TOPOLOGY["dp_rank"], _TOPOLOGY["dp_world"]) if _TOPOLOGY else None
-
-
-def reset_topology() -> None:
-    _TOPOLOGY.clear()
 
 
 def active() -> Optional["ContextParallel"]:
@@ -534,8 +529,3 @@ class _RingAttention(torch.autograd.Function):
         if n_steps > 1:  # the accumulators here belong to rank - (n_steps - 1): send them home
             dk_cur, dv_cur = cp.exchange([dk_cur, dv_cur], -(n_steps - 1)).wait()
         return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None
-
-
-def comm_share(cp: Optional[ContextParallel], seconds: float) -> float:
-    """Exposed communication time over `seconds` of wall time (nan without a context)."""
-    return math.nan if cp is None or seconds <= 0 else cp.comm_seconds / seconds
