@@ -161,6 +161,15 @@ class TrainingModule(L.LightningModule):
         aux = hooks.aux_loss(self.model)
         return loss if aux is None else loss + aux
 
+    def finish_training_step(self, loss: torch.Tensor, logged: torch.Tensor | None = None):
+        """The end of every family's training_step: the non-finite-loss policy (None: Lightning skips the
+        optimizer step), `train/loss` (`logged` when the value to report differs from the one to backpropagate),
+        and the submodules' auxiliary losses."""
+        if not self._guard_loss(loss):
+            return None
+        self.log("train/loss", loss if logged is None else logged, prog_bar=True)
+        return self._with_aux(loss)
+
     def optimizer_step(self, *args, **kwargs) -> None:
         """After each optimizer step (not each micro-batch), let submodules update their own state (MoE
         aux-loss-free bias). Done here rather than in on_train_batch_end so the update lands *before* the
@@ -309,11 +318,8 @@ class LitLM(TrainingModule):
 
     def training_step(self, batch, batch_idx: int):
         loss, _, _ = self._loss(batch)
-        if not self._guard_loss(loss):
-            return None  # Lightning skips the optimizer step
         # under context parallelism `loss` is this rank's share (scaled for the gradient); log the group's mean
-        self.log("train/loss", loss if self._cp_group is None else self._group_loss, prog_bar=True)
-        return self._with_aux(loss)
+        return self.finish_training_step(loss, None if self._cp_group is None else self._group_loss)
 
     def on_validation_epoch_start(self) -> None:
         # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end

@@ -65,10 +65,7 @@ class LitSeq2Seq(_Base):
         src, tgt_in, tgt_out, src_mask, tgt_mask = batch
         total, count = masked_ce(self.model(src, tgt_in, src_mask), tgt_out, tgt_mask, self.model.opts.label_smoothing)
         loss = total / count.clamp_min(1)
-        if not self._guard_loss(loss):
-            return None
-        self.log("train/loss", loss, prog_bar=True)
-        return self._with_aux(loss)
+        return self.finish_training_step(loss)
 
     def on_validation_epoch_start(self) -> None:
         # [summed ce, target tokens, correct tokens (teacher forced), exact-match sequences, sequences]
@@ -122,10 +119,7 @@ class LitMLM(_Base):
     def training_step(self, batch, batch_idx: int):
         total, count, _, _ = self._step(batch[0])
         loss = total / count.clamp_min(1)
-        if not self._guard_loss(loss):
-            return None
-        self.log("train/loss", loss, prog_bar=True)
-        return self._with_aux(loss)
+        return self.finish_training_step(loss)
 
     def on_validation_epoch_start(self) -> None:
         self._val = torch.zeros(3, device=self.device, dtype=torch.float64)  # [summed ce, chosen, correct]

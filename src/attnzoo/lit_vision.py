@@ -47,10 +47,7 @@ class LitImageClassifier(TrainingModule):
     def training_step(self, batch, batch_idx: int):
         images, labels = batch
         loss = F.cross_entropy(self.model(images).float(), labels)
-        if not self._guard_loss(loss):
-            return None
-        self.log("train/loss", loss, prog_bar=True)
-        return self._with_aux(loss)
+        return self.finish_training_step(loss)
 
     def on_validation_epoch_start(self) -> None:
         self._val = torch.zeros(3, device=self.device, dtype=torch.float64)  # [summed ce, images, correct]
@@ -94,10 +91,7 @@ class LitVLM(TrainingModule):
     def training_step(self, batch, batch_idx: int):
         total, count, _ = self._loss(batch)
         loss = total / count.clamp_min(1)
-        if not self._guard_loss(loss):
-            return None
-        self.log("train/loss", loss, prog_bar=True)
-        return self._with_aux(loss)
+        return self.finish_training_step(loss)
 
     def on_validation_epoch_start(self) -> None:
         # [summed ce, answer tokens, correct answer tokens, exact answers, examples]

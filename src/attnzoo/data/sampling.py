@@ -67,9 +67,12 @@ class ResumableShuffleSampler(Sampler[int]):
 
 
 class ResumableDataMixin:
-    """For LightningDataModules: `self.position` is saved in checkpoints and re-applied on resume."""
+    """For LightningDataModules: `self.position` is saved in checkpoints and re-applied on resume. The loaders
+    read `self.train_set` / `self.val_set`, `self.cfg.batch_size` / `num_workers`, `self.seed` and the class's
+    `collate_fn` (None: the default collation)."""
 
     position: dict = {"epoch": 0, "batches": 0}
+    collate_fn = None
     _train_sampler: ResumableShuffleSampler | None = None
     _resume: dict | None = None
 
@@ -92,6 +95,13 @@ class ResumableDataMixin:
         sampler = ResumableShuffleSampler(len(dataset), 0, batch_size, shuffle=False)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
                           generator=own_generator(0))
+
+    def train_dataloader(self) -> DataLoader:
+        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers,
+                                 collate_fn=self.collate_fn)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers, collate_fn=self.collate_fn)
 
     def state_dict(self) -> dict:
         return dict(self.position)

@@ -23,7 +23,7 @@ from typing import Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ..errors import check
 from . import register_data
@@ -152,11 +152,6 @@ class Seq2SeqDataModule(ResumableDataMixin, L.LightningDataModule):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers)
 
 
 @register_data("reversal", Seq2SeqConfig)

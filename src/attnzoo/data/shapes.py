@@ -30,7 +30,7 @@ from typing import Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ..errors import check, check_choice
 from . import register_data
@@ -226,11 +226,6 @@ class ImageDataModule(ResumableDataMixin, L.LightningDataModule):
         self.train_set = self.val_set = None
         self.info: dict = {}
 
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers)
 
 
 @register_data("shapes", ShapesConfig)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ..errors import ConfigError, check
 from .sampling import ResumableDataMixin
@@ -150,6 +150,7 @@ class SyntheticDataModule(ResumableDataMixin, L.LightningDataModule):
     `prepare_cfg()` to derive/clip sizes, and `task_info()` for fields recorded in summary.json."""
 
     generate: Generator
+    collate_fn = staticmethod(_to_long)
 
     def __init__(self, cfg, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
         super().__init__()
@@ -184,8 +185,3 @@ class SyntheticDataModule(ResumableDataMixin, L.LightningDataModule):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers, collate_fn=_to_long)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers, collate_fn=_to_long)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ..errors import ConfigError, check, check_choice
 from . import register_data
@@ -131,11 +131,6 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         # a tokenizer file indexes the embedding of the model it came from: that model's rows (data.vocab_size)
         return self.cfg.vocab_size if self.cfg.tokenizer == "file" else self.tokenizer.vocab_size
 
-    def train_dataloader(self) -> DataLoader:
-        return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.val_loader(self.val_set, self.cfg.batch_size, self.cfg.num_workers)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
