@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import hooks, parallel
 from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
+from .packing import Documents
 
 log = logging.getLogger("attnzoo")
 # validation metrics are reduced exactly (token-weighted all_gather) in on_validation_epoch_end
@@ -270,16 +271,20 @@ class LitLM(TrainingModule):
         return self._cp[seq_len]
 
     def tokens_in_batch(self, batch) -> int:
-        """Tokens this rank processed (its shard of each sequence), for perf/tokens_per_sec."""
+        """Real tokens this rank processed (its shard of each sequence; padding not counted: a batch's token_mask),
+        for perf/tokens_per_sec."""
+        if len(batch) > 3:
+            return int(batch[3].sum()) // self.cp_size
         return batch[0].numel() // self.cp_size
 
     def _loss(self, batch, return_logits: bool = False, logits: torch.Tensor | None = None):
         """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
         `logits`: computed elsewhere (e.g. through a quantized KV cache) instead of by the training forward.
 
-        A batch is (x, y), (x, y, loss_mask) or (x, y, loss_mask, token_mask): with a loss mask only its
-        True positions count (synthetic tasks: the answer positions); token_mask marks real (non-padding)
-        tokens for routed FFNs' balancing (default: all tokens are real)."""
+        A batch is (x, y), (x, y, loss_mask), (x, y, loss_mask, token_mask) or (x, y, loss_mask, token_mask,
+        doc_ids): with a loss mask only its True positions count (synthetic tasks: the answer positions);
+        token_mask marks real (non-padding) tokens for routed FFNs' balancing (default: all tokens are real);
+        doc_ids (B, T) mark packed documents (data.packing: each computed as if alone, packing.py)."""
         cp = self.context(batch[0].shape[1]) if logits is None else None
         if cp is not None:
             batch = self.shard_batch(batch)
@@ -290,7 +295,8 @@ class LitLM(TrainingModule):
             with parallel.sharded(cp):
                 logits = self._fwd(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
         elif logits is None:
-            logits = self._fwd(x, token_mask=token_mask)
+            documents = Documents(batch[4]) if len(batch) > 4 else None
+            logits = self._fwd(x, token_mask=token_mask, **({} if documents is None else {"documents": documents}))
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         if mask is not None:
             m = mask.reshape(-1).to(ce.dtype)

@@ -14,6 +14,7 @@ from .config import ModelConfig, layer_mixer_configs, resolve_model
 from .ffn import build_ffn
 from .kv_quant import format_kwargs
 from .norm import build_norm
+from .packing import Documents
 from .position import AbsolutePosition
 from .registry import MIXERS
 
@@ -44,8 +45,14 @@ class Block(nn.Module):
     def _ffn(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
         return self.ffn(x, token_mask=token_mask) if self.ffn_takes_mask else self.ffn(x)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, token_mask=None) -> torch.Tensor:
-        h = residual(h, lambda x: self.mixer(x, positions=positions, cache=cache), self.norm1, self.drop, self.pre)
+    def _mix(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, documents: Any) -> torch.Tensor:
+        if documents is not None:  # packed documents (packing.py): each runs as if alone
+            return self.mixer.forward_packed(x, positions=positions, documents=documents)
+        return self.mixer(x, positions=positions, cache=cache)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, token_mask=None,
+                documents: Any = None) -> torch.Tensor:
+        h = residual(h, lambda x: self._mix(x, positions, cache, documents), self.norm1, self.drop, self.pre)
         if self.has_ffn:
             h = residual(h, lambda x: self._ffn(x, token_mask), self.norm2, self.drop, self.pre)
         return h
@@ -95,14 +102,20 @@ class DecoderLM(nn.Module):
         positions: Optional[torch.Tensor] = None,
         cache: Optional[ModelCache] = None,
         token_mask: Optional[torch.Tensor] = None,
+        documents: Optional[Documents] = None,
     ):
         B, T = idx.shape
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("documents (packed sequences) are for training and scoring; decode with a cache "
+                                 "one document per row")
+            positions = documents.positions() if positions is None else positions
         if positions is None:
             start = cache.seq_len if cache is not None else 0
             positions = torch.arange(start, start + T, device=idx.device)
         h = self.drop(self.position(self.embed(idx), positions))
         for i, block in enumerate(self.blocks):
-            h = block(h, positions, None if cache is None else cache[i], token_mask)
+            h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
         if cache is not None:
             cache.seq_len += T
         return self.norm(h)
@@ -113,9 +126,12 @@ class DecoderLM(nn.Module):
         positions: Optional[torch.Tensor] = None,
         cache: Optional[ModelCache] = None,
         token_mask: Optional[torch.Tensor] = None,
+        documents: Optional[Documents] = None,
     ):
-        """token_mask (B, T) bool: real (non-padding) tokens, passed to FFNs that route (MoE balancing)."""
-        return self.lm_head(self.hidden_states(idx, positions, cache, token_mask))
+        """token_mask (B, T) bool: real (non-padding) tokens, passed to FFNs that route (MoE balancing).
+        documents (packing.Documents): several documents per row (data.packing), each computed as if alone:
+        positions restart per document, no mixer looks across a document start."""
+        return self.lm_head(self.hidden_states(idx, positions, cache, token_mask, documents))
 
     # ------------------------------------------------------------------ hooks for stateful parts (MoE)
     def aux_loss(self) -> Optional[torch.Tensor]:

@@ -154,6 +154,20 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     check_layout(data.seq_len, cp, resolve_layout(t.context_parallel_layout, [mc.name for mc in mixers]), tail)
 
 
+def _check_packing(run: Any, model: ModelConfig, data: Any) -> None:
+    """data.packing / data.pad_documents: a decoder LM trained by attnzoo-train's LM module on one process per
+    sequence (the teacher of experiment=linearize and ring attention take no document masks)."""
+    for key in ("packing", "pad_documents"):
+        if not getattr(data, key, False):
+            continue
+        check(family_of(model).name == "decoder", f"data.{key}", f"is for decoder LMs; allowed with "
+              f"model={model.name}: false")
+        check(run.trainer.context_parallel == 1, f"data.{key}", "with trainer.context_parallel > 1: ring attention "
+              "takes no document mask; allowed: false (or trainer.context_parallel=1)")
+        check(run.linearize is None, f"data.{key}", "with experiment=linearize: the teacher scores each row as one "
+              "text; allowed: false")
+
+
 def _check_linearize(node: Any, model: ModelConfig) -> None:
     """experiment=linearize: the section's values, and a planned student (attnzoo.linearize.apply_linearize,
     which needs model.init_from) — a `linearize` section on any other model is refused."""
@@ -225,6 +239,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_eval(run.eval, model, data)
     _check_inference(run.inference, model)
     _check_context_parallel(run.trainer, model, data)
+    _check_packing(run, model, data)
     _check_blocks(model, data)
     _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")

@@ -22,7 +22,14 @@ def stdlib_files() -> list[Path]:
 
 def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str]:
     """Return (text, source description). `path` None = embedded stdlib corpus; else a file or a folder
-    (every text file under it, sorted). Raises FileNotFoundError with one clear line."""
+    (every text file under it, sorted), its files joined by a blank line. One-line ConfigError when missing."""
+    parts, source = load_documents(path, max_chars)
+    return "\n\n".join(parts), source
+
+
+def load_documents(path: Optional[str], max_chars: Optional[int]) -> tuple[list[str], str]:
+    """(one text per file, source description), `max_chars` counted as in `load_corpus` (the joined text's
+    first max_chars characters: the last document is cut there)."""
     if path is None:
         files, source = stdlib_files(), "python-stdlib"
     else:
@@ -48,12 +55,17 @@ def load_corpus(path: Optional[str], max_chars: Optional[int]) -> tuple[str, str
         total += len(text)
         if max_chars is not None and total >= max_chars:
             break
-    text = "\n\n".join(parts)
-    if max_chars is not None:
-        text = text[:max_chars]
-    if not text.strip():
+    if max_chars is not None:  # cut where the joined text (2 separator characters per file) reaches max_chars
+        room, kept = max_chars, []
+        for text in parts:
+            if room <= 0:
+                break
+            kept.append(text[:room])
+            room -= len(text) + 2
+        parts = kept
+    if not "".join(parts).strip():
         raise ConfigError(f"{source} is empty; allowed: a non-empty text", field="data.path")
-    return text, source
+    return parts, source
 
 
 def text_sha(text: str) -> str:

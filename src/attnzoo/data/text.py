@@ -10,9 +10,9 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError, check, check_choice
 from . import register_data
-from .corpus import load_corpus, text_sha
+from .corpus import load_corpus, load_documents, text_sha
 from .sampling import ResumableDataMixin
-from .tokenizer import FileTokenizer, encode_corpus, file_sha, get_tokenizer
+from .tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
 
 
 @dataclass
@@ -31,6 +31,13 @@ class TextDataConfig:
     batch_size: int = 16
     val_fraction: float = 0.05  # the last fraction of the token stream
     num_workers: int = 0
+    # documents (the corpus's files, each after an <|endoftext|> separator) packed into rows without padding,
+    # with document masks: attention never crosses a document start, recurrent state resets, positions restart
+    # (packing.py). false: the stream cut into blocks that run across documents (no masks)
+    packing: bool = False
+    # one document per row, padded (the baseline packing is measured against); documents longer than a row
+    # continue in the next rows. Same targets as packing
+    pad_documents: bool = False
 
     def validate(self, model, field: str) -> None:
         check_choice(self.tokenizer, f"{field}.tokenizer", ("bpe", "char", "file"))
@@ -43,6 +50,8 @@ class TextDataConfig:
         if self.tokenizer == "bpe":
             check(self.vocab_size >= 260, f"{field}.vocab_size", "must be >= 260 (256 bytes + specials) for bpe")
         check(self.vocab_size > 0, f"{field}.vocab_size", "must be positive")
+        check(not (self.packing and self.pad_documents), f"{field}.pad_documents",
+              "packing and pad_documents are two layouts of the same documents; allowed: one of them true")
 
 
 class Blocks(Dataset):
@@ -59,6 +68,73 @@ class Blocks(Dataset):
         s = i * self.seq_len
         block = self.ids[s : s + self.seq_len + 1].long()
         return block[:-1], block[1:]
+
+
+class PackedBlocks(Blocks):
+    """`Blocks` of the document stream with each token's document: (x, y, loss_mask, token_mask, doc_ids),
+    doc_ids (T,) counting the document starts before each x token inside the block (0 = the block's first
+    document, which may have begun in an earlier block). `starts`: sorted stream offsets of the documents'
+    separators."""
+
+    def __init__(self, ids: torch.Tensor, starts: torch.Tensor, seq_len: int):
+        super().__init__(ids, seq_len)
+        self.starts = starts
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        s = i * self.seq_len
+        pos = s + torch.arange(self.seq_len)
+        docs = torch.searchsorted(self.starts, pos, right=True) - torch.searchsorted(self.starts, s, right=True)
+        ones = torch.ones(self.seq_len, dtype=torch.bool)
+        return x, y, ones, ones, docs
+
+
+class DocumentRows(Dataset):
+    """One document per row, padded at the end: (x, y, loss_mask, token_mask) with the padding's targets out of
+    the loss and its inputs marked not real. A document's x tokens are its separator and text, its last target
+    the next separator (as in `PackedBlocks`); longer documents continue in the next rows."""
+
+    def __init__(self, ids: torch.Tensor, starts: torch.Tensor, seq_len: int, pad_id: int = 0):
+        self.ids, self.seq_len, self.pad_id = ids, seq_len, pad_id
+        bounds = torch.cat([starts, starts.new_tensor([len(ids) - 1])]).tolist()
+        first = [0] if not bounds or bounds[0] > 0 else []  # text before the first separator (a cut document)
+        edges = first + bounds
+        self.rows = [(p, min(p + seq_len, b)) for a, b in zip(edges[:-1], edges[1:]) for p in range(a, b, seq_len)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        a, b = self.rows[i]  # x = ids[a:b], y = ids[a+1:b+1]
+        n, T = b - a, self.seq_len
+        x = torch.full((T,), self.pad_id, dtype=torch.long)
+        y = torch.full((T,), self.pad_id, dtype=torch.long)
+        x[:n], y[:n] = self.ids[a:b].long(), self.ids[a + 1:b + 1].long()
+        real = torch.arange(T) < n
+        return x, y, real, real
+
+
+def separator_id(tokenizer) -> int:
+    """The end-of-text token that starts every document in the document stream."""
+    if isinstance(tokenizer, BPETokenizer):
+        for name in ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>"):
+            tid = tokenizer.tok.token_to_id(name)
+            if tid is not None:
+                return tid
+        raise ConfigError("the tokenizer file has no end-of-text token (<|endoftext|>, </s>, <eos>); allowed: "
+                          "data.packing=false and data.pad_documents=false with this tokenizer", field="data.packing")
+    return 0  # CharTokenizer: <|endoftext|>
+
+
+def document_stream(tokenizer, docs: list[str], cache_dir: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, starts): every document as [separator] + its tokens, concatenated; starts = each separator's
+    offset. Cached beside the plain token stream."""
+    sep = separator_id(tokenizer)
+    encoded = [encode_corpus(tokenizer, d, cache_dir, f"{key}-doc{i}-{text_sha(d)}") for i, d in enumerate(docs)]
+    lengths = torch.tensor([1 + len(e) for e in encoded], dtype=torch.long)
+    starts = torch.cumsum(lengths, 0) - lengths
+    ids = torch.cat([torch.cat([torch.tensor([sep], dtype=torch.int32), e]) for e in encoded])
+    return ids, starts
 
 
 def load_tokenizer_file(path: str, vocab_size: int) -> FileTokenizer:
@@ -106,7 +182,11 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
         if cfg.tokenizer == "file":
             key = f"file-{file_sha(cfg.tokenizer_file)}-{sha}"
-        ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
+        documents = cfg.packing or cfg.pad_documents
+        if documents:
+            ids, starts = document_stream(self.tokenizer, load_documents(cfg.path, cfg.max_chars)[0], self.cache_dir, key)
+        else:
+            ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
         n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)
         if len(ids) - n_val < 2 * (cfg.seq_len + 1):
             raise ConfigError(
@@ -114,8 +194,17 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
                 field="data.seq_len",
             )
         self.train_ids, self.val_ids = ids[:-n_val], ids[-n_val:]
-        self.train_set, self.val_set = Blocks(self.train_ids, cfg.seq_len), Blocks(self.val_ids, cfg.seq_len)
+        if documents:
+            cut = len(ids) - n_val
+            starts = {"train": starts[starts < cut], "val": starts[starts >= cut] - cut}
+            rows = (lambda split, part: PackedBlocks(part, starts[split], cfg.seq_len)) if cfg.packing else \
+                (lambda split, part: DocumentRows(part, starts[split], cfg.seq_len, separator_id(self.tokenizer)))
+            self.train_set, self.val_set = rows("train", self.train_ids), rows("val", self.val_ids)
+            self.info["documents"] = int(len(starts["train"]) + len(starts["val"]))
+        else:
+            self.train_set, self.val_set = Blocks(self.train_ids, cfg.seq_len), Blocks(self.val_ids, cfg.seq_len)
         self.info = {
+            **self.info,
             "source": source,
             "corpus_sha": sha,
             "chars": len(text),

@@ -29,6 +29,7 @@ from ..ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_
 from ..norm import RMSNorm
 from .. import parallel
 from ..ops.sliding_window import sliding_window_sdpa
+from ..ops.dispatch import mixer_kernel
 from ..position import rotary_from_config
 from ..registry import register_mixer
 from .base import Mixer, causal_attended, dtype_bytes, validate_conv
@@ -301,6 +302,28 @@ class Attention(Mixer):
                          sinks=getattr(self, "sinks", 0), alibi=self.alibi)
         return self.output(y, x)
 
+    packing = "native"  # a block-diagonal document mask
+
+    def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
+        """Packed documents (packing.py): the same projections with per-document positions, attention under the
+        block-diagonal mask (causal, window and sinks counted inside each document), ALiBi distances as usual
+        (they are only read inside a document). O(T^2) mask per row: flex_attention's block mask on GPU."""
+        x = self.shift_packed(x, documents)
+        q, k, v = self.project(x, positions)
+        mask = documents.mask(causal=self.causal, window=self.window, sinks=getattr(self, "sinks", 0))
+        bias = None
+        if self.alibi is not None:
+            T = x.shape[1]
+            bias = alibi_bias(self.alibi, T, T, causal=False, dtype=q.dtype)[None]  # (1, H, T, T)
+        if self.impl == "reference":
+            y = attention_reference(q, k, v, mask=mask, scale=self.scale, bias=bias)
+        else:
+            if bias is not None:  # one float mask: the distance penalty where visible, -inf elsewhere
+                mask = bias.masked_fill(~mask, float("-inf"))
+            y = attention_sdpa(q, k, v, causal=False, scale=self.scale, mask=mask,
+                               dropout_p=self.dropout if self.training else 0.0)
+        return self.output(y, x)
+
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         cp = parallel.active()
         if cp is not None and cache is None:
@@ -425,6 +448,11 @@ class SlidingWindowAttention(Attention):
             # decode over the ring (slot order, at most W keys, all inside the window): no band needed
             return super().attend(q, k, v, q_offset)
         dropout_p = self.dropout if self.training else 0.0
+        if q.shape[2] == k.shape[2] and mixer_kernel(self, q) == "flex":
+            # CUDA with flex_attention (ops/dispatch.py): the band as a block mask, only its tiles computed
+            from ..ops.flex import flex_sliding_window
+
+            return flex_sliding_window(q, k, v, window=self.window, scale=self.scale)
         return sliding_window_sdpa(q, k, v, window=self.window, scale=self.scale, dropout_p=dropout_p)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> SlidingWindowCache:

@@ -40,6 +40,10 @@ class Mixer(nn.Module):
         code path (the contract test fails when the two are bit-identical), equal to fp64 precision;
       - a short input conv (`build_input_conv` / `shift`) keeps its K-1 tail in `cache.conv_tail`;
       - `context_parallel = True` declares a path for a sequence split over ranks (parallel.active());
+      - `forward_packed(x, *, positions (B, T), documents)` runs a packed batch (packing.Documents: several
+        documents per row) as if each document ran alone. The default gathers one padded row per document
+        and calls forward; mixers override it with a native form (`packing = "native"`): a document mask,
+        state resets at document starts;
       - `layer_shape()` reports what the layer really is (heads, KV heads, sizes, state) for summaries.
     """
 
@@ -53,6 +57,8 @@ class Mixer(nn.Module):
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.d_model = model_cfg.d_model
+        # model.impl (auto | torch | fla | flex): resolved per call by ops/dispatch.py from the input's device
+        self.kernel_request: str = getattr(model_cfg, "impl", "auto")
         self.input_conv: Optional[nn.Module] = None
 
     # ------------------------------------------------------------------ short conv on the mixer input
@@ -83,8 +89,30 @@ class Mixer(nn.Module):
     def input_conv_flops(self) -> float:
         return 0.0 if self.input_conv is None else self.input_conv.flops_per_token()
 
+    def shift_packed(self, x: torch.Tensor, documents: Any) -> torch.Tensor:
+        """`shift` over packed documents: the input conv never reads the previous document's tokens."""
+        if self.input_conv is None:
+            return x
+        from ..packing import masked_conv
+
+        return masked_conv(self.input_conv, x, documents.positions())
+
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[Any] = None) -> torch.Tensor:
         raise NotImplementedError
+
+    # how forward_packed runs: "gather" = each document alone in a padded batch (any causal mixer), "native"
+    packing: str = "gather"
+
+    def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents: Any) -> torch.Tensor:
+        """x (B, T, d_model) holding several documents per row (`documents`, packing.Documents), positions (B, T)
+        restarting at each document -> (B, T, d_model), equal to running each document alone.
+
+        Default: one row per document, padded at the end (padding after a document cannot reach it in a causal
+        mixer), positions 0..L-1, then back to the packed layout. Exact for every causal mixer; costs the
+        padding. Mixers with a document-masked form override this."""
+        xd = documents.gather(x)
+        y = self(xd, positions=torch.arange(xd.shape[1], device=x.device))
+        return documents.scatter(y)
 
     SHAPE_FIELDS = ("n_heads", "n_kv_heads", "head_dim", "window", "n_qk_heads", "n_v_heads", "qk_dim", "v_dim",
                     "phi_dim", "state_shape", "kv_lora_rank", "dn", "dr", "dv")

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..ops.sparse_attention import block_means, moba_attention, moba_keys
 from ..registry import register_mixer
 from .attention import Attention, AttentionConfig, KVCache
-from .base import dtype_bytes
+from .base import Mixer, dtype_bytes
 
 
 class MoBACache(KVCache):
@@ -74,6 +74,10 @@ class MoBAConfig(AttentionConfig):
 class MixtureOfBlockAttention(Attention):
     SHAPE_FIELDS = Attention.SHAPE_FIELDS + ("block_size", "topk")
     context_parallel = False  # top-k block selection over the whole past: no ring form here
+
+    # block selection follows absolute block boundaries: packed documents run alone (Mixer.forward_packed)
+    packing = "gather"
+    forward_packed = Mixer.forward_packed
 
     def __init__(self, cfg: MoBAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

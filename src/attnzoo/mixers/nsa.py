@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..ops.sparse_attention import block_means, nsa_attention, nsa_keys
 from ..registry import register_mixer
 from .attention import Attention, AttentionConfig, KVCache
-from .base import causal_attended, dtype_bytes
+from .base import Mixer, causal_attended, dtype_bytes
 
 
 class NSACache(KVCache):
@@ -87,6 +87,10 @@ class NSAConfig(AttentionConfig):
 class NativeSparseAttention(Attention):
     SHAPE_FIELDS = Attention.SHAPE_FIELDS + ("block_size", "block_counts")
     context_parallel = False  # top-k block selection over the whole past: no ring form here
+
+    # block selection follows absolute block boundaries: packed documents run alone (Mixer.forward_packed)
+    packing = "gather"
+    forward_packed = Mixer.forward_packed
 
     def __init__(self, cfg: NSAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import parallel
 from ..cache import LayerCache
+from ..packing import masked_conv
 from .base import Mixer, dtype_bytes
 from .short_conv import ShortConvolution
 
@@ -107,8 +108,27 @@ class RecurrentMixer(Mixer):
         Returns o (B, T, Hv, Dv) and the final state."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[RecurrentStateCache] = None):
+    def _heads(self, qkv: torch.Tensor):
+        """The (conv-ed) fused projection -> q, k (B, T, Hqk, Dqk), v (B, T, Hv, Dv) in >= fp32."""
+        B, T, _ = qkv.shape
+        if self.activation == "silu":
+            qkv = F.silu(qkv)
+        q, k, v = upcast(qkv).split(self.qkv_dims, dim=-1)
+        return (q.reshape(B, T, self.n_qk_heads, self.qk_dim), k.reshape(B, T, self.n_qk_heads, self.qk_dim),
+                v.reshape(B, T, self.n_v_heads, self.v_dim))
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o (B, T, Hv, Dv) -> [norm, gate] -> o_proj -> (B, T, d_model) in x's dtype."""
         B, T, _ = x.shape
+        gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.n_v_heads, self.v_dim)
+        if self.norm is not None:
+            o = self.norm(o, gate)
+        elif gate is not None:
+            o = o * F.silu(upcast(gate))
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[RecurrentStateCache] = None):
+        T = x.shape[1]
         qkv = self.qkv(x)
         cp = parallel.active() if cache is None else None  # context parallel (parallel.py): state passing
         if cp is not None:
@@ -117,12 +137,7 @@ class RecurrentMixer(Mixer):
             qkv, tail = self.conv(qkv, None if cache is None else cache.conv_tail)
             if cache is not None:
                 cache.conv_tail = tail.to(cache.conv_tail.dtype)
-        if self.activation == "silu":
-            qkv = F.silu(qkv)
-        q, k, v = upcast(qkv).split(self.qkv_dims, dim=-1)
-        q = q.reshape(B, T, self.n_qk_heads, self.qk_dim)
-        k = k.reshape(B, T, self.n_qk_heads, self.qk_dim)
-        v = v.reshape(B, T, self.n_v_heads, self.v_dim)
+        q, k, v = self._heads(qkv)
         if cp is not None:
             mode = "cp"
         elif self.impl == "reference":
@@ -133,12 +148,21 @@ class RecurrentMixer(Mixer):
         if cache is not None:
             cache.state = state.to(cache.state.dtype)
             cache.seen += T
-        gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, self.n_v_heads, self.v_dim)
-        if self.norm is not None:
-            o = self.norm(o, gate)
-        elif gate is not None:
-            o = o * F.silu(upcast(gate))
-        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+        return self._output(o, x)
+
+    packing = "native"  # the conv masked at document starts, the recurrence from a zero state per document
+
+    def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
+        """Packed documents (packing.py): projections, gates and output over the packed tokens; the short conv
+        never reads the previous document; the recurrence runs one padded row per document from a zero state
+        (the state is reset at every document start), its outputs put back in the packed layout."""
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv = masked_conv(self.conv, qkv, documents.positions())
+        q, k, v = self._heads(qkv)
+        mode = "reference" if self.impl == "reference" else "chunk"
+        o, _ = self.mix(*(documents.gather(t) for t in (q, k, v, x)), None, mode)
+        return self._output(documents.scatter(o), x)
 
     # ------------------------------------------------------------------ cache and accounting
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> RecurrentStateCache:

@@ -1,0 +1,122 @@
+"""Sequence packing with document masks: which document each token of a packed batch belongs to.
+
+A packed row holds several documents back to back, without padding. Training on it must equal training on
+each document alone:
+
+- softmax attention never crosses a document boundary (a block-diagonal causal mask; `Documents.mask`);
+- recurrent mixers (linear attention, DeltaNet, Gated DeltaNet) start every document from a zero state and
+  short convolutions never read the previous document's tokens (the state leak other libraries shipped);
+- positions restart at 0 in every document (`Documents.positions`).
+
+`Documents.gather` / `scatter` move between the packed layout (B, T, ...) and one padded row per document
+(N, L, ...) with the padding at the end: a causal mixer run on the gathered rows is each document run alone,
+and is the default (`Mixer.forward_packed`) for mixers without a native packed form.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Documents:
+    """`ids` (B, T) integers, non-decreasing along T: tokens with equal ids in one row form one document
+    (a document cut by a row boundary continues as a new document in the next row)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        if ids.dim() != 2:
+            raise ValueError(f"document ids: expected (batch, seq_len), got shape {tuple(ids.shape)}")
+        self.ids = ids
+        self._positions: Optional[torch.Tensor] = None
+        self._segments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._masks: dict = {}
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """(B, T) bool: True at the first token of each document."""
+        first = torch.ones_like(self.ids[:, :1], dtype=torch.bool)
+        return torch.cat([first, self.ids[:, 1:] != self.ids[:, :-1]], dim=1)
+
+    def positions(self) -> torch.Tensor:
+        """(B, T) int64: each token's position inside its document (0 at every document start)."""
+        if self._positions is None:
+            T = self.ids.shape[1]
+            idx = torch.arange(T, device=self.ids.device).expand_as(self.ids)
+            start = torch.where(self.starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+            self._positions = idx - start
+        return self._positions
+
+    def mask(self, *, causal: bool = True, window: Optional[int] = None, sinks: int = 0) -> torch.Tensor:
+        """(B, 1, T, T) bool, True = query i may attend key j: same document, j <= i when causal, i - W < j with a
+        window, or j among the document's first `sinks` tokens (attention sinks count per document)."""
+        key = (causal, window, sinks)
+        if key not in self._masks:
+            T = self.ids.shape[1]
+            same = self.ids[:, :, None] == self.ids[:, None, :]  # (B, T, T)
+            i = torch.arange(T, device=self.ids.device)[:, None]
+            j = torch.arange(T, device=self.ids.device)[None, :]
+            band = torch.ones(T, T, dtype=torch.bool, device=self.ids.device)
+            if causal:
+                band = band & (j <= i)
+            if window is not None:
+                near = j > i - window
+                if sinks:
+                    near = near[None] | (self.positions()[:, None, :] < sinks)  # key j is a sink of its document
+                band = band & near
+            self._masks[key] = (same & band)[:, None]
+        return self._masks[key]
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index (N, L) into the flattened B * T tokens, valid (N, L) bool): one row per document, in order,
+        padded at the end to the longest document L. One host sync (L)."""
+        if self._segments is None:
+            starts = self.starts.reshape(-1)
+            first = starts.nonzero().squeeze(1)  # (N,) flat index of each document's first token
+            lengths = torch.diff(first, append=first.new_tensor([starts.numel()]))
+            L = int(lengths.max())
+            offs = torch.arange(L, device=first.device)
+            valid = offs[None, :] < lengths[:, None]
+            index = torch.where(valid, first[:, None] + offs[None, :], torch.zeros_like(valid, dtype=first.dtype))
+            self._segments = (index, valid)
+        return self._segments
+
+    @property
+    def n_documents(self) -> int:
+        return self.segments()[0].shape[0]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, L, ...): one row per document, zeros after its end (zeros are a safe input to
+        every mixer's padded tail; causal mixers never let the tail reach the document's tokens)."""
+        index, valid = self.segments()
+        flat = x.reshape(-1, *x.shape[2:])
+        out = flat[index]
+        return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """(N, L, ...) -> (B, T, ...): the inverse of gather (documents in order, so their valid tokens, read
+        row by row, are the packed tokens in order)."""
+        _, valid = self.segments()
+        B, T = self.ids.shape
+        return y[valid].reshape(B, T, *y.shape[2:])
+
+
+def document_ids(starts: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool document starts -> (B, T) ids (0 for the row's first document)."""
+    s = starts.clone()
+    s[:, 0] = False
+    return s.long().cumsum(dim=1)
+
+
+def masked_conv(conv, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A `ShortConvolution` over packed documents: y_t = act(b + sum_d w_{K-1-d} x_{t-d}) over the taps d <= the
+    token's position in its document (taps into the previous document read zeros, as at a sequence start).
+    x (B, T, C), positions (B, T) -> (B, T, C)."""
+    K = conv.kernel_size
+    w = conv.weight.to(x.dtype)  # (C, K): w[:, K-1] multiplies x_t
+    y = x * w[:, K - 1]
+    for d in range(1, K):
+        shifted = torch.nn.functional.pad(x, (0, 0, d, 0))[:, : x.shape[1]]
+        y = y + shifted * (positions >= d)[..., None].to(x.dtype) * w[:, K - 1 - d]
+    if conv.bias is not None:
+        y = y + conv.bias.to(x.dtype)
+    return conv._act(y)
