@@ -222,3 +222,23 @@ def test_training_on_documents_end_to_end(layout, tmp_path):
 def test_packing_refusals(overrides, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg(FAST + overrides, tmp_path / "run"))
+
+
+def test_packing_benchmark_quick(tmp_path):
+    """`attnzoo-bench packing --quick` writes its table; performance itself is reported, never asserted."""
+    import json
+
+    from attnzoo.bench import cli
+    from tests.conftest import SESSION_CACHE
+
+    threads = torch.get_num_threads()
+    try:
+        cli.main(["--out", str(tmp_path), "--threads", "1", "packing", "--quick", "--mixers", "gated_deltanet",
+                  "--cache-dir", str(SESSION_CACHE)])
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads((tmp_path / "packing.json").read_text())
+    by = {r["layout"]: r for r in res["rows"]}
+    assert set(by) == {"packed", "padded", "stream"} and by["packed"]["padding %"] == 0
+    assert by["padded"]["rows/epoch"] > by["packed"]["rows/epoch"] and by["padded"]["padding %"] > 0
+    assert all(r["real tokens/s"] > 0 for r in res["rows"]) and by["padded"]["vs padded"] == 1
