@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="decode prompt lengths")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode measurement")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
+    p.add_argument("--compile", action="store_true",
+                   help="add train / prefill rows with both models under torch.compile (inductor; fp32 and bf16)")
 
 
 def quick(args) -> None:
@@ -151,15 +153,24 @@ def run(args) -> dict:
     rows = []
     tokens = args.batch * args.seq_len
     models = {"attnzoo": (ours, False), "transformers": (hf, True)}
-    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        for phase in ("prefill", "train"):
-            fns = {}
-            for name, (m, is_hf) in models.items():
-                m.train(phase == "train")
-                fns[name] = train_step_fn(m, idx, dtype) if phase == "train" else prefill_fn(m, idx[:, :-1], dtype, is_hf)
-            t = interleaved(fns, args.rounds)
-            rows.append(_row(f"{phase} {label}", f"batch {args.batch} x seq {args.seq_len}",
-                             tokens / t["attnzoo"], tokens / t["transformers"]))
+    variants = [False, True] if getattr(args, "compile", False) else [False]
+    for compiled in variants:
+        # compiled: each library's model under torch.compile (what compile=true does for attnzoo's training
+        # forward); the eager row is the same model without it. Compile time is not in the timings (warm-up).
+        runs = {name: (torch.compile(m) if compiled else m, m, is_hf) for name, (m, is_hf) in models.items()}
+        for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            for phase in ("prefill", "train"):
+                fns = {}
+                for name, (fn_model, m, is_hf) in runs.items():
+                    m.train(phase == "train")
+                    fns[name] = train_step_fn(fn_model, idx, dtype) if phase == "train" else \
+                        prefill_fn(fn_model, idx[:, :-1], dtype, is_hf)
+                t = interleaved(fns, args.rounds)
+                rows.append(_row(f"{phase} {label}" + (" compiled" if compiled else ""),
+                                 f"batch {args.batch} x seq {args.seq_len}", tokens / t["attnzoo"],
+                                 tokens / t["transformers"]))
+        if compiled:
+            torch._dynamo.reset()
     ours.eval(), hf.eval()
     for ctx in args.contexts:
         prompt = torch.randint(0, args.vocab, (1, ctx), generator=g)

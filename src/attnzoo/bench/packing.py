@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--cache-dir", default="~/.cache/attnzoo")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="the model under torch.compile (compile=true), every layout")
 
 
 def _data(layout: str, seq_len: int, args):
@@ -94,6 +95,8 @@ def run(args) -> dict:
             rates = {}
             for layout, dm in data.items():
                 lit = _lit(mixer, seq_len, dm.vocab_size, args)
+                if args.compile:
+                    lit.compile_model()
                 seconds, tokens, loss = _measure(lit, batches[layout], device)
                 rows_per_epoch = len(dm.train_set)
                 real = sum(int(dm.train_set[i][3].sum()) for i in range(rows_per_epoch)) if layout == "padded" \
@@ -111,7 +114,8 @@ def run(args) -> dict:
                     "epoch s (est.)", "loss"],
         "rows": rows,
         "notes": [f"d_model {args.d_model}, {args.layers} layers, batch {args.batch_size}, {args.steps} timed steps "
-                  f"after 2 warm-up steps, device {args.device}, {args.max_chars:,} corpus characters. packed: "
+                  f"after 2 warm-up steps, device {args.device}, {args.max_chars:,} corpus characters"
+                  f"{', torch.compile' if args.compile else ''}. packed: "
                   "document masks (attention block-diagonal, recurrent state reset per document); padded: one "
                   "document per row, padded; stream: the documents run together, no masks (what the masks cost). "
                   "epoch s = the layout's real tokens in one epoch / its real tokens/s. loss: the mean training loss "
