@@ -26,11 +26,16 @@ def sliding_window_sdpa(
 ) -> torch.Tensor:
     """q (B, H, Tq, D) are the last Tq of the Tk keys in k/v (B, Hkv, Tk, D[v]). Returns (B, H, Tq, Dv).
 
-    `block` (default max(W, 64)) is the number of query rows per SDPA call; one call when Tq <= 2 * block,
-    where blocking would not save work.
+    `block` is the number of query rows per SDPA call; one call when Tq <= 2 * block, where blocking would not
+    save work. A block of b rows scores b + W - 1 keys per query against ~W needed. Default: max(W // 4, 64)
+    rows without autograd (prefill, evaluation: ~1.25x the needed keys at W >= 256), max(W, 64) when a
+    gradient is needed — each call's backward adds its dK / dV into the overlapping key range, and on CPU that
+    traffic costs more than the keys smaller blocks save (docs/attention.md, "Sliding-window waste").
     """
     Tq, Tk = q.shape[2], k.shape[2]
-    block = block or max(window, 64)
+    if block is None:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        block = max(window, 64) if grad else max(window // 4, 64)
     if Tq <= 2 * block:
         return attention_sdpa(q, k, v, causal=True, window=window, scale=scale, dropout_p=dropout_p)
     off = Tk - Tq  # key index of query 0
