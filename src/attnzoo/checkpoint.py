@@ -75,8 +75,8 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
     return state
 
 
-# a resumed run may change these without changing what the checkpoint means
-RESUMABLE_CHANGES = ("data.num_workers",)
+# a resumed run may change these without changing what the checkpoint means (model.impl: the kernels, not the weights)
+RESUMABLE_CHANGES = ("data.num_workers", "model.impl")
 
 
 def _model_defaults() -> dict:

@@ -24,6 +24,7 @@ from .errors import ConfigError, check, check_choice  # noqa: F401  (re-exported
 
 
 ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")  # position.rope_frequencies
+IMPLS = ("auto", "torch", "fla", "flex")  # model.impl: which kernels the mixers run (ops/dispatch.py, docs/gpu.md)
 
 
 @dataclass
@@ -80,6 +81,9 @@ class ModelConfig:
     # a local transformers model directory (config.json + *.safetensors): the architecture comes from its
     # config.json and training starts from its weights (attnzoo.hf.apply_init_from; docs/hf.md)
     init_from: Optional[str] = None
+    # kernels (ops/dispatch.py, docs/gpu.md): auto = fla's Triton kernels for the linear family and flex_attention
+    # for sliding windows on CUDA when installed (the `gpu` extra), torch elsewhere; torch | fla | flex to force
+    impl: str = "auto"
 
 
 @dataclass
@@ -302,6 +306,7 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     # the encoder-decoder's gqa attention), so mha / mqa / recurrent models are not refused for a field they ignore
     check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
     check_choice(cfg.init, "model.init", ("gpt2", "pytorch"))
+    check_choice(cfg.impl, "model.impl", IMPLS)
     check_choice(cfg.position.name, "model.position.name", ("rope", "alibi", "sinusoidal", "learned", "none"))
     check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
     check_choice(cfg.position.scaling, "model.position.scaling", ROPE_SCALINGS)

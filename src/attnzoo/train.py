@@ -138,6 +138,9 @@ def format_summary(summary: dict) -> str:
         kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
         lines.insert(-1, f"  kv-quant   {kv_dtype} cache: val loss {g('val/loss_kvq')} ({g('val/loss_kvq_delta', '{:+.4f}')} "
                          f"vs full precision)" + (f"   acc {g('val/acc_kvq')}" if "val/acc_kvq" in m else ""))
+    kernels = summary["model"].get("kernels") or []
+    if any(k != "torch" for k in kernels):  # a GPU run with the fast paths (ops/dispatch.py): which layer ran what
+        lines.insert(3, f"  kernels    {','.join(kernels)}   (model.impl={summary['model'].get('impl')})")
     data = summary.get("data") or {}
     if data.get("tokenizer_file"):  # model.init_from with a tokenizer.json: the text is in the model's own tokens
         lines.insert(-1, f"  data       {data['name']} encoded with {data['tokenizer_file']} (the imported model's "
@@ -152,6 +155,26 @@ def format_summary(summary: dict) -> str:
         lines += ["  sample     " + repr(summary["sample"])[:400]]
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def run_device_type(trainer_cfg) -> str:
+    """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
+    acc = str(trainer_cfg.accelerator)
+    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_kernels_present(model_cfg, trainer_cfg) -> None:
+    """An explicit model.impl=fla|flex that cannot run on the run's device: one line, before any work."""
+    from .ops.dispatch import check_request
+
+    check_request(getattr(model_cfg, "impl", "auto"), run_device_type(trainer_cfg))
+
+
+def kernels_of(model, trainer_cfg, device: torch.device) -> list[str]:
+    """Per layer, the kernel its training call ran (ops/dispatch.py) on `device` at the run's precision."""
+    from .ops.dispatch import model_kernels, precision_compute_dtype
+
+    return model_kernels(model, device.type, precision_compute_dtype(trainer_cfg.precision))
 
 
 def kv_heads_of(model) -> int | None:
@@ -183,6 +206,7 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     cfg = apply_linearize(cfg)  # experiment=linearize: that section becomes the student's (chosen layers linear)
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
+    check_kernels_present(parts["model"], parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
     try:
         with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
@@ -405,7 +429,9 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
                   "d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
                   "n_kv_heads": kv_heads_of(model), "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size,
                   "family": family.name, "layers": [m.layer_shape() for m in getattr(model, "mixers", [])
-                                                    if hasattr(m, "layer_shape")]},
+                                                    if hasattr(m, "layer_shape")],
+                  # model.impl and, per layer, the kernel it trained with here (torch | fla | flex; docs/gpu.md)
+                  "impl": getattr(model.cfg, "impl", "auto"), "kernels": kernels_of(model, run.trainer, lit.device)},
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
         **lit.summary_sections(),  # the module's own record (experiment=linearize: what was replaced)

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         result = mods[args.cmd].run(args)
     except (ConfigError, ValueError) as e:  # a bad combination of flags: one line, not a traceback
         parser.exit(2, f"attnzoo-bench {args.cmd}: error: {str(e).splitlines()[0]}\n")
+    exit_code = result.pop("exit_code", 0)  # a check (gpu_check) that failed: results written, then status 1
     js, md = write_result(result.pop("name", args.cmd), result, args.out, argv)  # a mode may name its own files
     print(md.read_text())
     print(f"wrote {js} and {md}")
+    if exit_code:
+        raise SystemExit(exit_code)

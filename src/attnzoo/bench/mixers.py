@@ -32,6 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--mixers", nargs="+", default=None, help="default: every registered mixer")
     p.add_argument("--max-call-seconds", type=float, default=2.0, help="stop a mixer's sweep past this fwd+bwd time")
+    p.add_argument("--impl", default="auto", choices=["auto", "torch", "fla", "flex"],
+                   help="model.impl: the kernels (ops/dispatch.py; fla / flex need CUDA)")
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
+                   help="bf16-mixed: forward and backward under bf16 autocast (the fla kernels run in bf16 only)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
 
 
@@ -73,7 +77,7 @@ def build_mixer(name: str, args, max_len: int):
 
     mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
     cfg = {"d_model": args.d_model, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "n_layers": 1,
-           "max_seq_len": max_len, "mixer": mixer}
+           "max_seq_len": max_len, "mixer": mixer, "impl": getattr(args, "impl", "auto")}
     return DecoderLM(cfg, vocab_size=256).blocks[0].mixer
 
 
@@ -101,17 +105,29 @@ def peak_bytes(fn, device: torch.device) -> int:
     return pm.peak
 
 
+def autocast_of(args, device):
+    """bf16-mixed: the forward (and so the backward) under bf16 autocast, as Lightning's precision plugin runs it."""
+    import contextlib
+
+    if getattr(args, "precision", "32-true") == "bf16-mixed":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def measure(mixer, T: int, args, device) -> dict:
     mixer.zero_grad(set_to_none=True)
     x = torch.randn(args.batch, T, args.d_model, device=device, requires_grad=True)
     pos = torch.arange(T, device=device)
+    amp = autocast_of(args, device)
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), amp():
             mixer(x, positions=pos)
 
     def fwd_bwd():
-        mixer(x, positions=pos).sum().backward()
+        with amp():
+            y = mixer(x, positions=pos)
+        y.float().sum().backward()
         x.grad = None
         mixer.zero_grad(set_to_none=True)
 
@@ -124,6 +140,7 @@ def measure(mixer, T: int, args, device) -> dict:
 
 
 def run(args) -> dict:
+    from ..ops.dispatch import layer_kernel, precision_compute_dtype
     from ..registry import MIXERS
 
     if args.quick:
@@ -134,15 +151,18 @@ def run(args) -> dict:
     for name in names:
         torch.manual_seed(0)
         mixer = build_mixer(name, args, max(args.lengths)).to(device).train()
+        kernel = layer_kernel(mixer, device.type, precision_compute_dtype(getattr(args, "precision", "32-true")))
         for T in sorted(args.lengths):
             r = measure(mixer, T, args, device)
-            rows.append({"mixer": name, "T": T, **r})
+            rows.append({"mixer": name, "kernel": kernel, "T": T, **r})
             if r["fwd+bwd ms"] / 1000 > args.max_call_seconds and T != max(args.lengths):
                 skipped.append(f"{name} beyond T={T}")
                 break
     plot = plot_rows(rows, Path(args.out) / "mixers.png") if getattr(args, "out", None) else None
     notes = [
-        f"d_model={args.d_model} heads={args.n_heads}/{args.n_kv_heads}kv batch={args.batch}, fp32, one mixer layer "
+        f"d_model={args.d_model} heads={args.n_heads}/{args.n_kv_heads}kv batch={args.batch}, "
+        f"{'bf16 autocast' if getattr(args, 'precision', '32-true') == 'bf16-mixed' else 'fp32'}, "
+        f"model.impl={getattr(args, 'impl', 'auto')} (kernel: what each mixer ran, ops/dispatch.py), one mixer layer "
         f"(no FFN/norm), sliding_window W={args.window}, other fields at their config defaults; device={device.type}, "
         f"threads={torch.get_num_threads()}.",
         "peak MiB: tensors created during one forward+backward (activations, saved tensors, gradients), not weights/input.",
@@ -152,7 +172,7 @@ def run(args) -> dict:
     if plot:
         notes.append(f"![mixers]({plot.name})")
     return {"title": "Mixers: tokens/s and peak memory vs sequence length", "rows": rows, "notes": notes,
-            "columns": ["mixer", "T", "fwd tokens/s", "fwd+bwd tokens/s", "fwd+bwd ms", "peak MiB"], "plot": str(plot)}
+            "columns": ["mixer", "kernel", "T", "fwd tokens/s", "fwd+bwd tokens/s", "fwd+bwd ms", "peak MiB"], "plot": str(plot)}
 
 
 def plot_rows(rows: list[dict], path: Path) -> Path:

@@ -24,6 +24,7 @@ from torch import nn
 from .. import parallel
 from ..errors import ConfigError, check_choice
 from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
+from ..ops.dispatch import compute_dtype, mixer_kernel
 from ..registry import register_mixer
 from .base import validate_conv
 from .recurrent_base import RecurrentMixer, l2norm, upcast
@@ -118,6 +119,10 @@ class DeltaNet(RecurrentMixer):
             o = parallel.active().scan(lambda v_, s0, q_, k_, b_, g_: op(q_, k_, v_, b_, g_, s0, **kw), v, q, k, beta, g)
         elif mode == "reference":
             o, state = delta_rule_recurrent(q, k, v, beta, g, state)
+        elif mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
+            from ..ops.fla_kernels import fla_chunk_delta_rule
+
+            o, state = fla_chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, dtype=compute_dtype(x))
         else:
             o, state = chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size)
         return o.transpose(1, 2), state

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .. import parallel
 from ..errors import ConfigError, check_choice
+from ..ops.dispatch import compute_dtype, mixer_kernel
 from ..ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from ..registry import register_mixer
 from .base import validate_conv
@@ -107,6 +108,10 @@ class LinearAttention(RecurrentMixer):
             o = parallel.active().scan(run, v, q, k)
         elif mode == "reference":
             o, state = linear_attention_recurrent(q, k, v, state, self.scale)
+        elif mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
+            from ..ops.fla_kernels import fla_chunk_linear_attention
+
+            o, state = fla_chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, dtype=compute_dtype(x))
         else:
             o, state = chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size)
         if self.normalize:

@@ -44,6 +44,7 @@ class _UnitLowerSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dX: torch.Tensor):
         T, X = ctx.saved_tensors
+        dX = dX.to(T.dtype)  # bf16 when the matmul after the solve ran under autocast
         dR = T.mT @ dX
         dA = -(dR @ X.mT).tril(-1)
         return dA, dR
@@ -51,7 +52,15 @@ class _UnitLowerSolve(torch.autograd.Function):
 
 def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """X with (I + tril_{-1}(A)) X = rhs, batched over leading dims; A (..., C, C), rhs (..., C, D).
-    Only the strict lower triangle of A is read (the UT transform of the delta rule)."""
+    Only the strict lower triangle of A is read (the UT transform of the delta rule).
+    Under bf16 / fp16 autocast A may arrive in that dtype (its matmul ran there), but triangular solves exist
+    in fp32 / fp64 only ("triangular_solve_cpu" not implemented for 'BFloat16'), and the solve's own matmuls
+    must not mix dtypes with it: under autocast the solve runs in fp32 (or fp64) with autocast off."""
+    low = (torch.float16, torch.bfloat16)
+    if torch.is_autocast_enabled(A.device.type) or A.dtype in low or rhs.dtype in low:
+        dtype = torch.promote_types(torch.promote_types(A.dtype, rhs.dtype), torch.float32)
+        with torch.autocast(A.device.type, enabled=False):
+            return solve_unit_lower(A.to(dtype), rhs.to(dtype))
     if torch.is_grad_enabled() and (A.requires_grad or rhs.requires_grad):
         return _UnitLowerSolve.apply(A, rhs)
     # inference: solve directly (no inverse, no extra matmul), same transposed right-hand form

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU fast paths on one CUDA GPU, in under 10 minutes (each step has its own time limit):
+#   1. every fast path against its torch reference, outputs and gradients (attnzoo-bench gpu_check:
+#      fla linear_attention / deltanet / gated_deltanet, flex_attention sliding window / sinks / causal,
+#      SDPA flash for gqa in bf16), tolerances printed per case;
+#   2. the mixer benchmark in bf16 with model.impl=torch, then model.impl=auto (the speed-up of the kernels);
+#   3. the training-step benchmark (bf16-mixed, model.impl=auto) for gqa and gated_deltanet.
+# Needs a CUDA build of torch and the gpu extra (fla-core + triton): pip install -e '.[gpu]'. docs/gpu.md.
+# Usage: scripts/gpu_check.sh [OUT_DIR]   (default: gpu_check_results). JSON + markdown land in OUT_DIR.
+# Exit status: 0 all ok; 1 a fast path disagrees with its reference; 2 no GPU; 3 a benchmark failed / timed out.
+# GPU_CHECK_DEVICE=cpu rehearses the script on a CPU (tiny sizes, torch paths, fla cases skipped).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_check_results}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+if [ "$DEVICE" = cuda ]; then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+    echo "gpu_check: no CUDA device is visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)); this script needs one GPU" >&2
+    exit 2
+  }
+  QUICK=(); TRAINER=(trainer=gpu)
+else
+  QUICK=(--quick); TRAINER=()
+fi
+mkdir -p "$OUT"
+BENCH=("$PY" -m attnzoo.bench)
+MIXERS=(gqa sliding_window linear_attention deltanet gated_deltanet)
+check=0
+bench=0
+step() { echo; echo "== [$(printf '%3d' "$SECONDS") s] $*"; }
+run() {  # run LIMIT_SECONDS CMD...: a benchmark step; a failure or timeout is reported, then the next step runs
+  local limit=$1; shift
+  timeout "$limit" "$@" || { echo "gpu_check: step failed or exceeded ${limit} s (status $?): $*" >&2; bench=3; }
+}
+
+step "1/4 fast paths vs torch references (limit 200 s)"
+timeout 200 "${BENCH[@]}" --out "$OUT" gpu_check --device "$DEVICE" || check=$?
+
+step "2/4 mixers, bf16 autocast, model.impl=torch (limit 75 s)"
+run 75 "${BENCH[@]}" --out "$OUT/mixers-torch" mixers --precision bf16-mixed --impl torch --mixers "${MIXERS[@]}" \
+  --d-model 1024 --n-heads 16 --n-kv-heads 4 --window 512 --batch 4 --lengths 2048 8192 "${QUICK[@]}"
+
+step "3/4 mixers, bf16 autocast, model.impl=auto (limit 120 s; first calls compile the Triton kernels)"
+run 120 "${BENCH[@]}" --out "$OUT/mixers-auto" mixers --precision bf16-mixed --impl auto --mixers "${MIXERS[@]}" \
+  --d-model 1024 --n-heads 16 --n-kv-heads 4 --window 512 --batch 4 --lengths 2048 8192 "${QUICK[@]}"
+
+step "4/4 training step, bf16-mixed, model.impl=auto (limit 80 s each)"
+for m in gqa gated_deltanet; do
+  run 80 "${BENCH[@]}" --out "$OUT/train-$m" train --mixer "$m" --precisions bf16-mixed --steps 5 "${QUICK[@]}" \
+    --overrides "${TRAINER[@]}" model.impl=auto data.tokenizer=char data.max_chars=400000
+done
+
+echo
+echo "== gpu_check summary ($SECONDS s; results in $OUT)"
+grep -E '^\| (fla|flex|sdpa)' "$OUT/gpu_check.md" 2>/dev/null | awk -F'|' '{printf "  %-34s %-6s %-5s %s\n", $2, $3, $4, $13}'
+if [ "$check" -ne 0 ]; then
+  echo "FAILED: a fast path disagrees with its reference or did not run (status $check): see $OUT/gpu_check.md"
+  exit 1
+fi
+if [ "$bench" -ne 0 ]; then
+  echo "fast paths ok; a benchmark step failed or timed out (see above)"
+  exit 3
+fi
+echo "ok: every fast path matches its reference; benchmarks in $OUT/mixers-*/ and $OUT/train-*/"
