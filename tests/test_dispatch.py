@@ -125,6 +125,21 @@ def test_probes_never_import_triton_without_cuda():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
 
+def test_probes_are_constants_under_compile():
+    """compile=true: the availability probes run once, eagerly, as graph constants (no find_spec / import traced)."""
+    def f(x):
+        return x + 1 if (dispatch.fla_available() or dispatch.flex_available()) else x * 3
+
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. dynamo's "lru_cache-wrapped function" warning
+            out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, f(torch.ones(2)))
+
+
 MIXER_CASES = ["gqa", "sliding_window", "moba", "nsa", "linear_attention", "deltanet", "gated_deltanet", "mla"]
 
 

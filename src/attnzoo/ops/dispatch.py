@@ -28,7 +28,6 @@ so a model built on the CPU and moved to a GPU (or back) picks its kernels anew 
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from importlib.util import find_spec
 from typing import Any
 
@@ -53,9 +52,16 @@ FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_MAX_KEY_DIM = 256  # fla's chunk kernels: "current kernel does not support head dimension larger than 256"
 
 
-@lru_cache(maxsize=None)
-def fla_available() -> bool:
-    """fla's Triton kernels can run on this machine: a CUDA device, triton and fla-core importable."""
+_PROBED: dict[str, bool] = {}  # probe results, once per process (what is installed does not change)
+
+
+def _once(name: str, probe) -> bool:
+    if name not in _PROBED:
+        _PROBED[name] = probe()
+    return _PROBED[name]
+
+
+def _probe_fla() -> bool:
     if not torch.cuda.is_available():  # first: a CPU machine never imports triton
         return False
     if find_spec("triton") is None or find_spec("fla") is None:
@@ -69,9 +75,7 @@ def fla_available() -> bool:
     return True
 
 
-@lru_cache(maxsize=None)
-def flex_available() -> bool:
-    """flex_attention can run (forward and backward) on this machine's CUDA device: it compiles Triton kernels."""
+def _probe_flex() -> bool:
     if not torch.cuda.is_available():  # flex on CPU has no backward (torch 2.13): never chosen there
         return False
     if find_spec("triton") is None:
@@ -81,6 +85,20 @@ def flex_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# assume_constant_result: under torch.compile (compile=true) the probe runs once, eagerly, and its answer is a
+# constant of the graph (no find_spec / import traced, no graph break)
+@torch.compiler.assume_constant_result
+def fla_available() -> bool:
+    """fla's Triton kernels can run on this machine: a CUDA device, triton and fla-core importable."""
+    return _once("fla", _probe_fla)
+
+
+@torch.compiler.assume_constant_result
+def flex_available() -> bool:
+    """flex_attention can run (forward and backward) on this machine's CUDA device: it compiles Triton kernels."""
+    return _once("flex", _probe_flex)
 
 
 def allowed_here(device_type: str, *, fla_ok: bool, flex_ok: bool) -> list[str]:
