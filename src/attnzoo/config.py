@@ -123,14 +123,17 @@ class TrainerConfig:
     # sequence parallelism (attnzoo/parallel.py): each sequence split over this many ranks (world = DP x CP)
     context_parallel: int = 1
     context_parallel_layout: str = "auto"  # auto | zigzag | contiguous (auto: zigzag when a layer is full causal attention)
+    # memory (decoder LMs; docs/benchmarks.md#memory-activation-checkpointing-and-chunked-cross-entropy):
+    activation_checkpointing: bool = False  # keep each block's input only; recompute the block in backward
+    ce_chunk_tokens: int = 0  # >0: training loss from the hidden states this many tokens at a time (no full logits)
 
     def lightning_kwargs(self) -> dict:
-        """The fields Lightning's Trainer takes (the context-parallel ones are attnzoo's own)."""
+        """The fields Lightning's Trainer takes (context parallelism and the memory options are attnzoo's own)."""
         from dataclasses import asdict
 
         kw = asdict(self)
-        kw.pop("context_parallel")
-        kw.pop("context_parallel_layout")
+        for own in ("context_parallel", "context_parallel_layout", "activation_checkpointing", "ce_chunk_tokens"):
+            kw.pop(own)
         return kw
 
 

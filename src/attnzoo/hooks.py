@@ -5,13 +5,39 @@ training loss), `stats() -> {name: tensor}` (logged, averaged over layers under 
 `after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias).
 `DecoderLM`, the encoder-decoder and the LightningModules all use these, so no model family can
 forget one (the MoE loss silently absent from the loss).
+
+Activation checkpointing (`trainer.activation_checkpointing`) runs a block's forward a second time during
+backward. A submodule with side effects (the MoE's aux loss, stats and load accumulator) asks `recomputing()`
+and, when True, computes exactly what it computed the first time (the same saved tensors) but leaves its
+state alone: the load is counted once and the stored aux loss stays the forward's, not a tensor holding the
+recomputed graph.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
+
+
+_RECOMPUTING = 0  # depth of nested recomputations in progress (a counter: backward may run on another thread)
+
+
+def recomputing() -> bool:
+    """Whether the forward now running is activation checkpointing's recomputation during backward."""
+    return _RECOMPUTING > 0
+
+
+@contextlib.contextmanager
+def recomputation() -> Iterator[None]:
+    """Marks a checkpointed forward's recomputation (the recompute context of torch.utils.checkpoint)."""
+    global _RECOMPUTING
+    _RECOMPUTING += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING -= 1
 
 
 def _children(model: nn.Module):

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import hooks, parallel
 from .config import OptimConfig, SchedulerConfig, resolve_model
 from .model import DecoderLM
+from .ops.cross_entropy import chunked_cross_entropy
 from .packing import Documents
 
 log = logging.getLogger("attnzoo")
@@ -244,13 +245,20 @@ class LitLM(TrainingModule):
         self._cp_layout = parallel.resolve_layout(trainer_cfg.get("context_parallel_layout", "auto"),
                                                   [m.name for m in self.model.layer_mixers])
         self._cp_group, self._cp = None, {}  # the group (setup) and one ContextParallel per sequence length
-        # the (optionally compiled) callable used by the training/validation steps; not a submodule
+        # memory (docs/benchmarks.md#memory-activation-checkpointing-and-chunked-cross-entropy): blocks recomputed in
+        # backward; the training loss from the hidden states, ce_chunk_tokens tokens at a time (0: full logits)
+        self.model.activation_checkpointing = bool(trainer_cfg.get("activation_checkpointing", False))
+        self.ce_chunk_tokens = int(trainer_cfg.get("ce_chunk_tokens", 0) or 0)
+        # the (optionally compiled) callables used by the training/validation steps (logits; final hidden states);
+        # not submodules
         object.__setattr__(self, "_fwd", self.model)
+        object.__setattr__(self, "_hidden", self.model.hidden_states)
 
     def compile_model(self, **kwargs) -> None:
         """torch.compile the training forward; generation and caches keep the eager model. The compiled
         wrapper is not registered as a submodule, so checkpoints hold the plain `model.*` weights."""
         object.__setattr__(self, "_fwd", torch.compile(self.model, **kwargs))
+        object.__setattr__(self, "_hidden", torch.compile(self.model.hidden_states, **kwargs))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -284,25 +292,34 @@ class LitLM(TrainingModule):
         A batch is (x, y), (x, y, loss_mask), (x, y, loss_mask, token_mask) or (x, y, loss_mask, token_mask,
         doc_ids): with a loss mask only its True positions count (synthetic tasks: the answer positions);
         token_mask marks real (non-padding) tokens for routed FFNs' balancing (default: all tokens are real);
-        doc_ids (B, T) mark packed documents (data.packing: each computed as if alone, packing.py)."""
+        doc_ids (B, T) mark packed documents (data.packing: each computed as if alone, packing.py).
+        With trainer.ce_chunk_tokens > 0 and no logits asked for (the training step), the loss comes from the final
+        hidden states chunk by chunk (ops/cross_entropy.py) and the (B, T, V) logits are never made."""
         cp = self.context(batch[0].shape[1]) if logits is None else None
         if cp is not None:
             batch = self.shard_batch(batch)
         x, y = batch[0], batch[1]
         mask = batch[2] if len(batch) > 2 else None
         token_mask = batch[3] if len(batch) > 3 else None
+        chunked = self.ce_chunk_tokens > 0 and logits is None and not return_logits
+        run = self._hidden if chunked else self._fwd
         if cp is not None:  # this rank's shard of every sequence; the loss is normalised by the group's count
             with parallel.sharded(cp):
-                logits = self._fwd(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
+                out = run(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
         elif logits is None:
             documents = Documents(batch[4]) if len(batch) > 4 else None
-            logits = self._fwd(x, token_mask=token_mask, **({} if documents is None else {"documents": documents}))
-        ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        if mask is not None:
-            m = mask.reshape(-1).to(ce.dtype)
-            total, count = (ce * m).sum(), m.sum()
+            out = run(x, token_mask=token_mask, **({} if documents is None else {"documents": documents}))
+        if chunked:
+            total = chunked_cross_entropy(out, self.model.lm_head.weight, y, mask, chunk_tokens=self.ce_chunk_tokens)
+            count = torch.as_tensor(y.numel() if mask is None else mask.sum(), device=y.device).to(total.dtype)
         else:
-            total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
+            logits = out if logits is None else logits
+            ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+            if mask is not None:
+                m = mask.reshape(-1).to(ce.dtype)
+                total, count = (ce * m).sum(), m.sum()
+            else:
+                total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
         if cp is None:
             loss = total / count.clamp_min(1)
         else:

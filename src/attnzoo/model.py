@@ -1,14 +1,16 @@
 """Decoder-only language model assembled from the zoo: embedding, position, N blocks (mixer + FFN), head."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from . import hooks
+from . import hooks, parallel
 from .cache import ModelCache
 from .config import ModelConfig, layer_mixer_configs, resolve_model
 from .ffn import build_ffn
@@ -58,11 +60,35 @@ class Block(nn.Module):
         return h
 
 
+def checkpoint_block(block: nn.Module, h: torch.Tensor, positions, token_mask, documents) -> torch.Tensor:
+    """block(h, ...) keeping only its input for backward, which runs the block again (activation checkpointing,
+    Chen et al. 2016; torch.utils.checkpoint, non-reentrant). The recomputation restores the forward's RNG state
+    (the same dropout masks), runs under `hooks.recomputation()` (stateful submodules do not count twice) and
+    inside the forward's context-parallel group (parallel.sharded), so a sharded layer recomputes its ring."""
+    cp = parallel.active()
+
+    @contextlib.contextmanager
+    def recompute():
+        with hooks.recomputation(), parallel.sharded(cp):
+            yield
+
+    def contexts():  # (around the forward, around the recomputation), entered by checkpoint itself
+        return contextlib.nullcontext(), recompute()
+
+    kw = {} if torch.compiler.is_compiling() else {"context_fn": contexts}
+    return torch.utils.checkpoint.checkpoint(block, h, positions, None, token_mask, documents, use_reentrant=False,
+                                             **kw)
+
+
 class DecoderLM(nn.Module):
     """`forward(idx (B, T), positions=None, cache=None) -> logits (B, T, V)`.
 
     With a `ModelCache` the call continues from `cache.seq_len` (prefill, then one token at a time).
+    `activation_checkpointing` (trainer.activation_checkpointing): in a training forward with gradients, each
+    block keeps only its input and is recomputed in backward (`checkpoint_block`).
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(self, cfg: ModelConfig | Any, vocab_size: Optional[int] = None):
         super().__init__()
@@ -114,8 +140,12 @@ class DecoderLM(nn.Module):
             start = cache.seq_len if cache is not None else 0
             positions = torch.arange(start, start + T, device=idx.device)
         h = self.drop(self.position(self.embed(idx), positions))
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
-            h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
+            if recompute:
+                h = checkpoint_block(block, h, positions, token_mask, documents)
+            else:
+                h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
         if cache is not None:
             cache.seq_len += T
         return self.norm(h)

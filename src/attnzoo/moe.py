@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hooks
 from .errors import check, check_choice
 from .ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig, hidden_size
 from .registry import register_ffn
@@ -104,12 +105,20 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM_OK[key]
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _probe_grouped_mm(device, dtype) -> bool:
     try:
-        # the first call may come from inside no_grad / inference mode (eval, generation): probe backward anyway
-        with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        # the first call may come from inside no_grad / inference mode (eval, generation): probe backward anyway;
+        # and from inside a checkpointed block (trainer.activation_checkpointing): identity saved-tensor hooks keep
+        # the probe's tensors out of the checkpoint, whose recomputation (probe cached by then) would miss them; its
+        # own generator leaves the global one (dropout masks, replayed by the recomputation) where it was
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(8, 16, generator=g).to(device, dtype).requires_grad_()
+            w = torch.randn(2, 16, 16, generator=g).to(device, dtype).requires_grad_()
             offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
             y = torch._grouped_mm(x, w, offs=offs)
             y.backward(torch.ones_like(y))
@@ -354,6 +363,10 @@ class MoE(nn.Module):
             terms.append(cfg.aux_loss_coef * aux)
         if cfg.z_loss_coef > 0:
             terms.append(cfg.z_loss_coef * z)
+        if hooks.recomputing():
+            # activation checkpointing re-runs this forward in backward: the losses above are recomputed for their
+            # saved tensors, but the load was counted and the aux loss and statistics were stored the first time
+            return
         self.aux_loss = torch.stack(terms).sum() if terms else None
 
         if self.training and cfg.bias_update_speed > 0:

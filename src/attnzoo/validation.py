@@ -168,6 +168,31 @@ def _check_packing(run: Any, model: ModelConfig, data: Any) -> None:
               "text; allowed: false")
 
 
+def _check_memory(run: Any, model: ModelConfig) -> None:
+    """trainer.activation_checkpointing / trainer.ce_chunk_tokens: options of the decoder LM's training step
+    (model.DecoderLM's block loop, LitLM's loss); chunked cross-entropy never makes the logits that
+    experiment=linearize distils from. Under compile=true the recomputation runs without attnzoo's recompute
+    context (torch.compile takes no checkpoint context_fn), which routed FFNs (their load would count twice) and
+    context parallelism (the ring must be recomputed sharded) need."""
+    t = run.trainer
+    check(t.ce_chunk_tokens >= 0, "trainer.ce_chunk_tokens",
+          f"got {t.ce_chunk_tokens}; allowed: 0 (full logits) or the tokens per chunk, >= 1 (e.g. 1024)")
+    fam = family_of(model)
+    options = (("activation_checkpointing", t.activation_checkpointing, "false", ("decoder", "linearize")),
+               ("ce_chunk_tokens", t.ce_chunk_tokens > 0, "0", ("decoder",)))
+    for key, on, off, families in options:
+        if on and fam.name not in families:
+            why = ("distillation compares the full logits with the teacher's" if fam.name == "linearize"
+                   else "it is an option of the decoder LM (model.DecoderLM)")
+            raise ConfigError(f"is not available for model={model.name} ({fam.name} family): {why}; allowed: {off}",
+                              field=f"trainer.{key}")
+    if t.activation_checkpointing and run.compile:
+        moe = getattr(model.ffn, "name", None) == "moe"
+        check(not moe and t.context_parallel == 1, "trainer.activation_checkpointing",
+              f"with compile=true and {'model/ffn=moe' if moe else 'trainer.context_parallel > 1'}: the compiled "
+              "recomputation cannot be told apart from the forward; allowed: false, or compile=false")
+
+
 def _check_linearize(node: Any, model: ModelConfig) -> None:
     """experiment=linearize: the section's values, and a planned student (attnzoo.linearize.apply_linearize,
     which needs model.init_from) — a `linearize` section on any other model is refused."""
@@ -240,6 +265,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_inference(run.inference, model)
     _check_context_parallel(run.trainer, model, data)
     _check_packing(run, model, data)
+    _check_memory(run, model)
     _check_blocks(model, data)
     _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
