@@ -353,3 +353,18 @@ def test_linearize_refuses_chunked_ce():
                       ModelConfig(name="linearize"))
     _check_memory(type("Run", (), {"trainer": TrainerConfig(activation_checkpointing=True), "compile": False})(),
                   ModelConfig(name="linearize"))  # the student's blocks checkpoint like any decoder's
+
+
+def test_memory_bench_quick(tmp_path):
+    """`attnzoo-bench memory --quick --in-process`: the four configurations, the same loss, less memory with either
+    option (performance is reported, never asserted)."""
+    from tests.test_bench import positive, run_bench
+
+    res = run_bench(tmp_path, "memory", "--quick", "--in-process")
+    rows = {r["config"]: r for r in res["rows"]}
+    assert list(rows) == ["baseline", "activation checkpointing", "chunked CE", "both"]
+    assert all(positive(r["tokens/s"]) and positive(r["peak MiB (tensors)"]) for r in rows.values())
+    assert len({round(r["loss"], 5) for r in rows.values()}) == 1
+    assert rows["both"]["peak MiB (tensors)"] < min(rows[c]["peak MiB (tensors)"] for c in ("activation checkpointing",
+                                                                                            "chunked CE"))
+    assert rows["chunked CE"]["peak MiB (tensors)"] < rows["baseline"]["peak MiB (tensors)"]
