@@ -28,42 +28,49 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _chunk(h: torch.Tensor, t: torch.Tensor, m: torch.Tensor, w: torch.Tensor, acc: torch.dtype,
+           grad_h: Optional[torch.Tensor], grad_w: Optional[torch.Tensor]) -> torch.Tensor:
+    """One chunk: h (C, d) and w (V, d) in the compute dtype, t (C,) targets, m (C,) token weights. Returns the sum
+    of m * ce; writes d/dh into grad_h (C, d) and adds d/dw into grad_w (V, d) (None: not wanted). Its (C, V)
+    tensor dies on return, before the next chunk's is made."""
+    logits = (h @ w.t()).to(acc)  # (C, V); the only chunk-sized tensor, reused in place below
+    target_logit = logits.gather(1, t[:, None]).squeeze(1)
+    mx = logits.amax(dim=1, keepdim=True)
+    p = logits.sub_(mx).exp_()
+    sum_exp = p.sum(dim=1, keepdim=True)
+    loss = ((mx.squeeze(1) + sum_exp.log().squeeze(1) - target_logit) * m).sum()
+    if grad_h is None and grad_w is None:
+        return loss
+    # d(sum_i m_i ce_i) / d logits = m_i (softmax_i - onehot(t_i))
+    g = p.div_(sum_exp)
+    g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
+    g = g.mul_(m[:, None]).to(h.dtype)
+    if grad_h is not None:
+        grad_h.copy_(g @ w)
+    if grad_w is not None:
+        if g.dtype == grad_w.dtype:
+            grad_w.addmm_(g.t(), h)
+        else:  # bf16: the chunk's product as nn.Linear's backward makes it, summed in fp32
+            grad_w += (g.t() @ h).to(grad_w.dtype)
+    return loss
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, mask, chunk: int, dtype: torch.dtype, ignore_index: int, want_grad: bool):
         N = hidden.shape[0]
         acc = torch.promote_types(dtype, torch.float32)  # the softmax and the sums: fp32 (fp64 for fp64 inputs)
-        need_h = want_grad and ctx.needs_input_grad[0]
-        need_w = want_grad and ctx.needs_input_grad[1]
         w = weight.to(dtype)  # (V, d)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_h = torch.empty_like(hidden) if want_grad and ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad and ctx.needs_input_grad[1] \
+            else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, N, chunk):
-            h = hidden[s:s + chunk].to(dtype)  # (C, d)
             t = targets[s:s + chunk]
             keep = t != ignore_index
-            t = torch.where(keep, t, 0)
             m = keep.to(acc) if mask is None else mask[s:s + chunk].to(acc) * keep
-            logits = (h @ w.t()).to(acc)  # (C, V); the only chunk-sized tensor, reused in place below
-            target_logit = logits.gather(1, t[:, None]).squeeze(1)
-            mx = logits.amax(dim=1, keepdim=True)
-            p = logits.sub_(mx).exp_()
-            sum_exp = p.sum(dim=1, keepdim=True)
-            lse = (mx + sum_exp.log()).squeeze(1)
-            total += ((lse - target_logit) * m).sum()
-            if need_h or need_w:
-                # d(sum_i m_i ce_i) / d logits = m_i (softmax_i - onehot(t_i))
-                g = p.div_(sum_exp)
-                g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
-                g = g.mul_(m[:, None]).to(dtype)
-                if need_h:
-                    grad_h[s:s + chunk] = g @ w
-                if need_w:
-                    if g.dtype == acc:
-                        grad_w.addmm_(g.t(), h)
-                    else:  # bf16: the chunk's product as nn.Linear's backward makes it, summed in fp32
-                        grad_w += (g.t() @ h).to(acc)
+            total += _chunk(hidden[s:s + chunk].to(dtype), torch.where(keep, t, 0), m, w, acc,
+                            None if grad_h is None else grad_h[s:s + chunk], grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total
