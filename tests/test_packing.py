@@ -84,10 +84,20 @@ def _model(name, extra, pos, impl, **kw):
     return model
 
 
+@pytest.fixture(params=["split", "batched"])
+def strategy(request, monkeypatch):
+    """Both execution strategies: each document by its own call (few documents) and one batched call under the
+    mask / over gathered rows (many documents)."""
+    import attnzoo.packing as packing
+
+    monkeypatch.setattr(packing, "SPLIT_MAX_DOCUMENTS", 1000 if request.param == "split" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 @pytest.mark.parametrize("name, extra, pos", CASES, ids=lambda v: str(v) if not isinstance(v, dict) else
                          "-".join(f"{k}{w}" for k, w in v.items()))
-def test_a_packed_batch_equals_each_document_alone(name, extra, pos, impl):
+def test_a_packed_batch_equals_each_document_alone(name, extra, pos, impl, strategy):
     """Outputs and every parameter gradient (fp64): a loss over the packed batch == the same loss summed over
     each document run alone."""
     model = _model(name, extra, pos, impl)
@@ -110,7 +120,7 @@ def test_a_packed_batch_equals_each_document_alone(name, extra, pos, impl):
             torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
 
-def test_hybrid_stack_packed_equals_alone():
+def test_hybrid_stack_packed_equals_alone(strategy):
     cfg = tiny_model_cfg("gqa", n_layers=3, pattern=["gdn", "swa", "attn"],
                          mixers={"gdn": {"name": "gated_deltanet", "chunk_size": 4}, "swa": {"name": "sliding_window", "window": 5},
                                  "attn": {"name": "mla"}}, max_seq_len=64)
@@ -125,7 +135,7 @@ def test_hybrid_stack_packed_equals_alone():
 
 
 @pytest.mark.parametrize("name", ["gated_deltanet", "deltanet", "linear_attention", "gqa"])
-def test_no_state_leaks_across_a_document_start(name):
+def test_no_state_leaks_across_a_document_start(name, strategy):
     """Changing the first document changes nothing in the second (the state and conv tail reset); without the
     document mask it does (the test can see a leak)."""
     model = _model(name, {}, "rope", "fast")

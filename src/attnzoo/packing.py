@@ -8,6 +8,11 @@ each document alone:
   short convolutions never read the previous document's tokens (the state leak other libraries shipped);
 - positions restart at 0 in every document (`Documents.positions`).
 
+Two execution strategies, equal to each other and to running the documents alone: a batch of few documents
+(long ones, up to SPLIT_MAX_DOCUMENTS) runs each document by its own call on its slice (`per_document`: the
+causal kernels at the cost of the tokens, no mask); a batch of many documents runs one batched call (a dense
+block-diagonal mask for attention, one padded row per document for recurrences).
+
 `Documents.gather` / `scatter` move between the packed layout (B, T, ...) and one padded row per document
 (N, L, ...) with the padding at the end: a causal mixer run on the gathered rows is each document run alone,
 and is the default (`Mixer.forward_packed`) for mixers without a native packed form.
@@ -17,6 +22,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+# documents per batch up to which each runs by its own call (Documents.split): above it, the batched forms
+SPLIT_MAX_DOCUMENTS = 64
 
 
 class Documents:
@@ -30,6 +38,7 @@ class Documents:
         self._positions: Optional[torch.Tensor] = None
         self._segments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._masks: dict = {}
+        self._lengths: Optional[list[int]] = None
 
     @property
     def starts(self) -> torch.Tensor:
@@ -82,7 +91,30 @@ class Documents:
 
     @property
     def n_documents(self) -> int:
-        return self.segments()[0].shape[0]
+        return len(self.lengths())
+
+    def lengths(self) -> list[int]:
+        """Each document's token count, in order (row by row). One host sync."""
+        if self._lengths is None:
+            starts = self.starts.reshape(-1)
+            first = starts.nonzero().squeeze(1)
+            self._lengths = torch.diff(first, append=first.new_tensor([starts.numel()])).tolist()
+        return self._lengths
+
+    def split(self) -> bool:
+        """True: run each document by its own call (`per_document`): few documents, so the calls cost less than
+        a dense (T, T) mask or the padding of gathered rows. False: one batched call (mask / gather)."""
+        return self.n_documents <= SPLIT_MAX_DOCUMENTS
+
+    def per_document(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """fn(*(x_d (1, L_d, ...))) -> (1, L_d, ...) for each document d in turn; the outputs back in the packed
+        layout (B, T, ...). The inputs are cut and the outputs joined by split / cat along the flattened tokens,
+        whose backward passes are a cat / split (no full-size zero gradient per document)."""
+        B, T = self.ids.shape
+        parts = [x.reshape(B * T, *x.shape[2:]).split(self.lengths()) for x in xs]
+        outs = [fn(*(p[None] for p in doc))[0] for doc in zip(*parts)]
+        y = torch.cat(outs)
+        return y.reshape(B, T, *y.shape[1:])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) -> (N, L, ...): one row per document, zeros after its end (zeros are a safe input to

@@ -305,11 +305,25 @@ class Attention(Mixer):
     packing = "native"  # a block-diagonal document mask
 
     def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
-        """Packed documents (packing.py): the same projections with per-document positions, attention under the
-        block-diagonal mask (causal, window and sinks counted inside each document), ALiBi distances as usual
-        (they are only read inside a document). O(T^2) mask per row: flex_attention's block mask on GPU."""
+        """Packed documents (packing.py): the same projections with per-document positions; attention for each
+        document by its own call when they are few (the causal / band kernels), else one call under the
+        block-diagonal mask (causal, window and sinks counted inside each document; ALiBi distances are only read
+        inside a document). The mask is O(T^2) per row: flex_attention's block mask on GPU."""
         x = self.shift_packed(x, documents)
         q, k, v = self.project(x, positions)
+        if documents.split():  # few documents: each by its own causal / band call, no mask
+            def one(q, k, v):  # (1, L, H, D) -> (1, L, H, D)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                if getattr(self, "sinks", 0):
+                    y = sink_window_attention(q, k, v, q_start=0, key_start=0, window=self.window, sinks=self.sinks,
+                                              scale=self.scale, reference=self.impl == "reference",
+                                              dropout_p=self.dropout if self.training else 0.0)
+                else:
+                    y = self.attend(q, k, v, q_offset=0)
+                return y.transpose(1, 2)
+
+            y = documents.per_document(one, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return self.output(y.transpose(1, 2), x)
         mask = documents.mask(causal=self.causal, window=self.window, sinks=getattr(self, "sinks", 0))
         bias = None
         if self.alibi is not None:

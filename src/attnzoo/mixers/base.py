@@ -107,9 +107,12 @@ class Mixer(nn.Module):
         """x (B, T, d_model) holding several documents per row (`documents`, packing.Documents), positions (B, T)
         restarting at each document -> (B, T, d_model), equal to running each document alone.
 
-        Default: one row per document, padded at the end (padding after a document cannot reach it in a causal
-        mixer), positions 0..L-1, then back to the packed layout. Exact for every causal mixer; costs the
-        padding. Mixers with a document-masked form override this."""
+        Default: each document by its own call when they are few (packing.SPLIT_MAX_DOCUMENTS), else one row per
+        document, padded at the end (padding after a document cannot reach it in a causal mixer), in one call;
+        positions 0..L-1; then back to the packed layout. Exact for every causal mixer. Mixers with a
+        document-masked form override this."""
+        if documents.split():  # few documents: each by its own call, no padding
+            return documents.per_document(lambda xd: self(xd, positions=torch.arange(xd.shape[1], device=x.device)), x)
         xd = documents.gather(x)
         y = self(xd, positions=torch.arange(xd.shape[1], device=x.device))
         return documents.scatter(y)

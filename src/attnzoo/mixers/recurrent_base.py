@@ -154,15 +154,19 @@ class RecurrentMixer(Mixer):
 
     def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
         """Packed documents (packing.py): projections, gates and output over the packed tokens; the short conv
-        never reads the previous document; the recurrence runs one padded row per document from a zero state
-        (the state is reset at every document start), its outputs put back in the packed layout."""
+        never reads the previous document; the recurrence runs from a zero state per document (the state is reset
+        at every document start): each document by its own call when they are few, else one padded row per
+        document in one call; its outputs put back in the packed layout."""
         qkv = self.qkv(x)
         if self.conv is not None:
             qkv = masked_conv(self.conv, qkv, documents.positions())
         q, k, v = self._heads(qkv)
         mode = "reference" if self.impl == "reference" else "chunk"
-        o, _ = self.mix(*(documents.gather(t) for t in (q, k, v, x)), None, mode)
-        return self._output(documents.scatter(o), x)
+        if documents.split():  # few documents: each by its own call
+            o = documents.per_document(lambda *a: self.mix(*a, None, mode)[0], q, k, v, x)
+        else:
+            o = documents.scatter(self.mix(*(documents.gather(t) for t in (q, k, v, x)), None, mode)[0])
+        return self._output(o, x)
 
     # ------------------------------------------------------------------ cache and accounting
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> RecurrentStateCache:
