@@ -72,6 +72,8 @@ CASES = [(name, {}, "rope") for name in MIXERS.names()] + [
     ("mha", {"causal": False}, "none"),
     ("gated_deltanet", {"n_v_heads": 8, "chunk_size": 8}, "rope"),
     ("linear_attention", {"normalize": False, "feature_map": "identity"}, "none"),
+    ("linear_attention", {"chunk_size": 4}, "none"),  # documents over several chunks: segmented prefix sums
+    ("deltanet", {"chunk_size": 4}, "none"),
 ]
 
 

@@ -106,6 +106,47 @@ class Documents:
         a dense (T, T) mask or the padding of gathered rows. False: one batched call (mask / gather)."""
         return self.n_documents <= SPLIT_MAX_DOCUMENTS
 
+    def chunk_layout(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Documents laid out chunk-aligned in their own rows: each document starts at a multiple of `chunk`
+        (zeros fill the rest of its last chunk), so every chunk holds one document's tokens and the chunked
+        recurrences reset their state between chunks (like fla's varlen kernels). Returns (dest (B*T,) the
+        flat (B, T') slot of every token, resets (B, T' / chunk) True where a document starts, T')."""
+        key = ("chunks", chunk)
+        if key not in self._masks:
+            B, T = self.ids.shape
+            lengths = torch.tensor(self.lengths(), device=self.ids.device)
+            chunks = (lengths + chunk - 1) // chunk  # chunks per document
+            first = self.starts.reshape(-1).nonzero().squeeze(1)  # flat index of each document's first token
+            row = first // T
+            # aligned start (in chunks) of each document inside its row: chunks of the row's earlier documents
+            before = torch.cumsum(chunks, 0) - chunks
+            row_first = torch.zeros(B, dtype=torch.long, device=lengths.device).scatter_reduce(
+                0, row, before, reduce="amin", include_self=False)
+            start_chunk = before - row_first[row]
+            per_row = torch.zeros(B, dtype=torch.long, device=lengths.device).scatter_add(0, row, chunks)
+            n = int(per_row.max())
+            doc = self.starts.reshape(-1).long().cumsum(0) - 1  # each token's document
+            col = start_chunk[doc] * chunk + self.positions().reshape(-1)
+            dest = (torch.arange(B * T, device=lengths.device) // T) * (n * chunk) + col
+            resets = torch.zeros(B, n, dtype=torch.bool, device=lengths.device)
+            resets[row, start_chunk] = True
+            self._masks[key] = (dest, resets, n * chunk)
+        return self._masks[key]
+
+    def to_chunks(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
+        """(B, T, ...) -> (B, T', ...) in `chunk_layout` (zeros in the gaps)."""
+        dest, _, Tc = self.chunk_layout(chunk)
+        B, T = self.ids.shape
+        flat = x.reshape(B * T, *x.shape[2:])
+        out = flat.new_zeros(B * Tc, *x.shape[2:]).index_copy(0, dest, flat)
+        return out.reshape(B, Tc, *x.shape[2:])
+
+    def from_chunks(self, y: torch.Tensor, chunk: int) -> torch.Tensor:
+        """(B, T', ...) in `chunk_layout` -> (B, T, ...)."""
+        dest, _, Tc = self.chunk_layout(chunk)
+        B, T = self.ids.shape
+        return y.reshape(B * Tc, *y.shape[2:])[dest].reshape(B, T, *y.shape[2:])
+
     def per_document(self, fn, *xs: torch.Tensor) -> torch.Tensor:
         """fn(*(x_d (1, L_d, ...))) -> (1, L_d, ...) for each document d in turn; the outputs back in the packed
         layout (B, T, ...). The inputs are cut and the outputs joined by split / cat along the flattened tokens,

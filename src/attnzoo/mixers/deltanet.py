@@ -99,7 +99,7 @@ class DeltaNet(RecurrentMixer):
         a = upcast(self.a_proj(x))
         return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
 
-    def mix(self, q, k, v, x, state, mode):
+    def mix(self, q, k, v, x, state, mode, resets=None):
         q, k = l2norm(q), l2norm(k)
         beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
         if self.cfg.allow_neg_eigval:
@@ -119,12 +119,12 @@ class DeltaNet(RecurrentMixer):
             o = parallel.active().scan(lambda v_, s0, q_, k_, b_, g_: op(q_, k_, v_, b_, g_, s0, **kw), v, q, k, beta, g)
         elif mode == "reference":
             o, state = delta_rule_recurrent(q, k, v, beta, g, state)
-        elif mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
+        elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
             from ..ops.fla_kernels import fla_chunk_delta_rule
 
             o, state = fla_chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, dtype=compute_dtype(x))
         else:
-            o, state = chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size)
+            o, state = chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, resets=resets)
         return o.transpose(1, 2), state
 
     def op_flops_per_token(self, context_len: int) -> float:

@@ -91,7 +91,7 @@ class LinearAttention(RecurrentMixer):
             output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps,
         )
 
-    def mix(self, q, k, v, x, state, mode):
+    def mix(self, q, k, v, x, state, mode, resets=None):
         q, k = feature_map(q, self.cfg.feature_map), feature_map(k, self.cfg.feature_map)
         if self.normalize:  # a ones column: the last output column is the denominator phi(q) . sum phi(k)
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
@@ -108,12 +108,12 @@ class LinearAttention(RecurrentMixer):
             o = parallel.active().scan(run, v, q, k)
         elif mode == "reference":
             o, state = linear_attention_recurrent(q, k, v, state, self.scale)
-        elif mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
+        elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
             from ..ops.fla_kernels import fla_chunk_linear_attention
 
             o, state = fla_chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, dtype=compute_dtype(x))
         else:
-            o, state = chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size)
+            o, state = chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, resets=resets)
         if self.normalize:
             o = o[..., :-1] / (o[..., -1:] + self.eps)
         return o.transpose(1, 2), state

@@ -101,10 +101,11 @@ class RecurrentMixer(Mixer):
         self.o_proj = nn.Linear(n_v_heads * v_dim, self.d_model, bias=False)
 
     # ------------------------------------------------------------------ forward
-    def mix(self, q, k, v, x, state: Optional[torch.Tensor], mode: str):
+    def mix(self, q, k, v, x, state: Optional[torch.Tensor], mode: str, resets: Optional[torch.Tensor] = None):
         """q, k (B, T, Hqk, Dqk), v (B, T, Hv, Dv) in >= fp32; x the mixer input (B, T, d_model);
         state (B, Hv, *state_shape) or None; mode "reference" | "chunk" | "step" | "cp" (this rank's tokens
-        of a context-parallel split: run the op through `parallel.active().scan`, returning state None).
+        of a context-parallel split: run the op through `parallel.active().scan`, returning state None);
+        resets (B, T / chunk_size) bool, chunk mode only: the state is zero entering the marked chunks.
         Returns o (B, T, Hv, Dv) and the final state."""
         raise NotImplementedError
 
@@ -154,18 +155,21 @@ class RecurrentMixer(Mixer):
 
     def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
         """Packed documents (packing.py): projections, gates and output over the packed tokens; the short conv
-        never reads the previous document; the recurrence runs from a zero state per document (the state is reset
-        at every document start): each document by its own call when they are few, else one padded row per
-        document in one call; its outputs put back in the packed layout."""
+        never reads the previous document; the recurrence starts every document from a zero state: the chunked form
+        runs once over the documents laid out chunk-aligned (packing.Documents.chunk_layout: < one chunk of zeros
+        per document) with the state reset entering each document's first chunk; the reference form runs each
+        document by its own call. Outputs are put back in the packed layout."""
         qkv = self.qkv(x)
         if self.conv is not None:
             qkv = masked_conv(self.conv, qkv, documents.positions())
         q, k, v = self._heads(qkv)
-        mode = "reference" if self.impl == "reference" else "chunk"
-        if documents.split():  # few documents: each by its own call
-            o = documents.per_document(lambda *a: self.mix(*a, None, mode)[0], q, k, v, x)
-        else:
-            o = documents.scatter(self.mix(*(documents.gather(t) for t in (q, k, v, x)), None, mode)[0])
+        if self.impl == "reference":  # the per-token recurrence, each document by its own call
+            o = documents.per_document(lambda *a: self.mix(*a, None, "reference")[0], q, k, v, x)
+        else:  # one call: documents chunk-aligned in their rows, the state zeroed entering each one's first chunk
+            C = self.chunk_size
+            _, resets, _ = documents.chunk_layout(C)
+            o = self.mix(*(documents.to_chunks(t, C) for t in (q, k, v, x)), None, "chunk", resets=resets)[0]
+            o = documents.from_chunks(o, C)
         return self._output(o, x)
 
     # ------------------------------------------------------------------ cache and accounting

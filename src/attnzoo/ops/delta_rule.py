@@ -132,8 +132,11 @@ def chunk_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     chunk_size: int = 64,
+    resets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise-parallel form (UT/WY representation), any T. Same signature and result as the recurrence.
+    `resets` (B, N chunks) bool: the state is zero entering the chunks marked True (packed documents laid out
+    chunk-aligned, packing.Documents.chunk_layout: each chunk holds one document's tokens).
 
     Within a chunk of C tokens (local positions r, s; G_r = sum_{j<=r} g_j the in-chunk cumulative
     log-decay; S_0 the state entering the chunk), the delta-rule writes unroll to
@@ -202,8 +205,11 @@ def chunk_delta_rule(
     Ms = M.reshape(B * H, N, Dk, Dk).unbind(1)
     bs = b.reshape(B * H, N, Dk, Dv).unbind(1)
     S = k.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(k.dtype)
+    keep = None if resets is None else (~resets).to(k.dtype).repeat_interleave(H, dim=0).unbind(1)  # (B*H,) per chunk
     starts = []
     for i in range(N):
+        if keep is not None:
+            S = S * keep[i][:, None, None]
         starts.append(S)
         S = torch.baddbmm(bs[i], Ms[i], S)
     S0 = torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv)

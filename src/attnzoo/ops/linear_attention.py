@@ -50,9 +50,12 @@ def chunk_linear_attention(
     initial_state: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     chunk_size: int = 64,
+    resets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise form, any T: within a chunk a causal (Q K^T) V; across chunks the state entering chunk i
-    is S_0 + sum_{j<i} K_j^T V_j, an exclusive cumulative sum, so there is no loop at all."""
+    is S_0 + sum_{j<i} K_j^T V_j, an exclusive cumulative sum, so there is no loop at all.
+    `resets` (B, N chunks) bool: the state is zero entering the chunks marked True (then the sum runs from the
+    last reset, and S_0 counts only before the first)."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     scale = Dk**-0.5 if scale is None else scale
@@ -67,5 +70,11 @@ def chunk_linear_attention(
     kv = k.transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's contribution
     S0 = kv.new_zeros(B, H, 1, Dk, Dv) if initial_state is None else initial_state[:, :, None].to(kv.dtype)
     starts = torch.cat([S0, S0 + kv.cumsum(2)], dim=2)  # state before chunk 0..N
+    if resets is not None:  # segmented: subtract the prefix sum at each chunk's last reset
+        idx = torch.arange(N + 1, device=kv.device)
+        marks = torch.cat([resets, resets.new_zeros(B, 1)], dim=1)  # (B, N + 1): a reset entering chunk i
+        last = torch.where(marks, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, N + 1)
+        base = starts.gather(2, last[:, None, :, None, None].expand_as(starts).contiguous())
+        starts = starts - torch.where(marks.cumsum(1)[:, None, :, None, None] > 0, base, torch.zeros_like(base))
     o = q @ starts[:, :, :-1] + (q @ k.transpose(-1, -2)).tril() @ v
     return o.reshape(B, H, N * C, Dv)[:, :, :T], starts[:, :, -1]
