@@ -66,23 +66,32 @@ def _lit(mixer: str, seq_len: int, vocab: int, args):
     return LitLM({"model": model, "trainer": {"max_steps": 10}}, vocab_size=vocab).to(args.device)
 
 
-def _measure(lit, batches, device) -> tuple[float, int, float]:
-    """(median step seconds over the timed steps, real tokens in them, mean loss)."""
-    opt = torch.optim.AdamW(lit.parameters(), lr=1e-3)
-    times, tokens, losses = [], 0, []
-    for i, batch in enumerate(batches):
-        sync(device)
-        t0 = time.perf_counter()
-        loss = lit._loss(batch)[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        if i >= 2:  # warm-up: the first two steps
-            times.append(time.perf_counter() - t0)
-            tokens += lit.tokens_in_batch(batch)
-            losses.append(float(loss))
-    return sum(times), tokens, sum(losses) / max(1, len(losses))
+def _step(lit, opt, batch, device) -> tuple[float, float]:
+    """One training step (LitLM's loss, backward, AdamW): (seconds, loss)."""
+    sync(device)
+    t0 = time.perf_counter()
+    loss = lit._loss(batch)[0]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
+    return time.perf_counter() - t0, float(loss)
+
+
+def _interleaved(runs: dict, device) -> dict:
+    """runs: layout -> (lit, batches). Two warm-up steps each, then the timed steps round-robin over the layouts
+    (a drift in the machine's speed touches every layout alike). layout -> (seconds, real tokens, mean loss)."""
+    opts = {name: torch.optim.AdamW(lit.parameters(), lr=1e-3) for name, (lit, _) in runs.items()}
+    out = {name: [0.0, 0, []] for name in runs}
+    n = min(len(b) for _, b in runs.values())
+    for i in range(n):
+        for name, (lit, batches) in runs.items():
+            seconds, loss = _step(lit, opts[name], batches[i], device)
+            if i >= 2:  # warm-up: the first two steps
+                out[name][0] += seconds
+                out[name][1] += lit.tokens_in_batch(batches[i])
+                out[name][2].append(loss)
+    return {name: (s, t, sum(losses) / max(1, len(losses))) for name, (s, t, losses) in out.items()}
 
 
 def run(args) -> dict:
@@ -92,12 +101,15 @@ def run(args) -> dict:
         data = {layout: _data(layout, seq_len, args) for layout in LAYOUTS}
         batches = {layout: _batches(dm, args.steps + 2, device) for layout, dm in data.items()}
         for mixer in args.mixers:
-            rates = {}
+            rates, runs = {}, {}
             for layout, dm in data.items():
                 lit = _lit(mixer, seq_len, dm.vocab_size, args)
                 if args.compile:
                     lit.compile_model()
-                seconds, tokens, loss = _measure(lit, batches[layout], device)
+                runs[layout] = (lit, batches[layout])
+            measured = _interleaved(runs, device)
+            for layout, dm in data.items():
+                seconds, tokens, loss = measured[layout]
                 rows_per_epoch = len(dm.train_set)
                 real = sum(int(dm.train_set[i][3].sum()) for i in range(rows_per_epoch)) if layout == "padded" \
                     else rows_per_epoch * seq_len
@@ -114,7 +126,7 @@ def run(args) -> dict:
                     "epoch s (est.)", "loss"],
         "rows": rows,
         "notes": [f"d_model {args.d_model}, {args.layers} layers, batch {args.batch_size}, {args.steps} timed steps "
-                  f"after 2 warm-up steps, device {args.device}, {args.max_chars:,} corpus characters"
+                  f"after 2 warm-up steps, the layouts' steps interleaved, device {args.device}, {args.max_chars:,} corpus characters"
                   f"{', torch.compile' if args.compile else ''}. packed: "
                   "document masks (attention block-diagonal, recurrent state reset per document); padded: one "
                   "document per row, padded; stream: the documents run together, no masks (what the masks cost). "
