@@ -59,7 +59,7 @@ def run(args) -> dict:
         q = torch.randn(1, args.heads, T, args.head_dim, generator=g, requires_grad=True)
         k = torch.randn(1, args.kv_heads, T, args.head_dim, generator=g, requires_grad=True)
         v = torch.randn(1, args.kv_heads, T, args.head_dim, generator=g, requires_grad=True)
-        defaults = {"fwd": max(W // 4, 64), "fwd+bwd": max(W, 64)}
+        defaults = {"fwd": max(W // 2, 64), "fwd+bwd": max(W // 2, 64)}
         blocks = sorted({max(16, int(W * f)) for f in args.blocks} | set(defaults.values()), reverse=True)
         for b in blocks:
             def fwd(b=b):
@@ -80,5 +80,5 @@ def run(args) -> dict:
         "rows": rows,
         "notes": [f"threads={torch.get_num_threads()}; best of {args.repeats} calls after a warm-up. keys needed: "
                   "the causal window's average (min(W, t) over t = 1..T); scored: (b + W - 1) per query for a block "
-                  "of b rows. The default block is max(W/4, 64) without autograd and max(W, 64) with it."],
+                  "of b rows. The default block is max(W/2, 64)."],
     }

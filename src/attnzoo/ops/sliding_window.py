@@ -27,15 +27,14 @@ def sliding_window_sdpa(
     """q (B, H, Tq, D) are the last Tq of the Tk keys in k/v (B, Hkv, Tk, D[v]). Returns (B, H, Tq, Dv).
 
     `block` is the number of query rows per SDPA call; one call when Tq <= 2 * block, where blocking would not
-    save work. A block of b rows scores b + W - 1 keys per query against ~W needed. Default: max(W // 4, 64)
-    rows without autograd (prefill, evaluation: ~1.25x the needed keys at W >= 256), max(W, 64) when a
-    gradient is needed — each call's backward adds its dK / dV into the overlapping key range, and on CPU that
-    traffic costs more than the keys smaller blocks save (docs/attention.md, "Sliding-window waste").
+    save work. A block of b rows scores b + W - 1 keys per query against ~W needed. Default max(W // 2, 64):
+    ~1.5x the needed keys. Measured on this CPU (`attnzoo-bench sliding_window`, docs/attention.md): W/2 blocks
+    beat W blocks (2x the keys) by 1.1-1.45x forward and 1.1-1.3x forward+backward at W = 512 / 1024, while W/4
+    blocks (1.25x the keys) are no faster than W/2 and slower in backward: below ~256 rows a call's fixed cost and
+    the kernel's own tiling outweigh the keys saved.
     """
     Tq, Tk = q.shape[2], k.shape[2]
-    if block is None:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        block = max(window, 64) if grad else max(window // 4, 64)
+    block = block or max(window // 2, 64)
     if Tq <= 2 * block:
         return attention_sdpa(q, k, v, causal=True, window=window, scale=scale, dropout_p=dropout_p)
     off = Tk - Tq  # key index of query 0
