@@ -132,7 +132,8 @@ def test_compile_fullgraph_matches_eager(mixer):
 
 
 @pytest.mark.parametrize("argv", [["cache", "--quick"], ["cache", "--quick", "--n-layers", "2"], ["delta", "--quick"],
-                                  ["moe", "--quick"]], ids=["cache", "cache-2-layers", "delta", "moe"])
+                                  ["moe", "--quick"], ["sliding_window", "--quick"]],
+                         ids=["cache", "cache-2-layers", "delta", "moe", "sliding_window"])
 def test_every_subcommand_has_quick(tmp_path, argv):
     """`--quick` on every subcommand (docs/benchmarks.md promises it); `cache --n-layers 2` used to crash on
     local_global's 4-layer pattern."""
