@@ -37,6 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
                    help="bf16-mixed: forward and backward under bf16 autocast (the fla kernels run in bf16 only)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds)")
+    p.add_argument("--compile", action="store_true", help="add a torch.compile (inductor) row per mixer and length")
 
 
 def quick(args) -> None:
@@ -152,9 +153,14 @@ def run(args) -> dict:
         torch.manual_seed(0)
         mixer = build_mixer(name, args, max(args.lengths)).to(device).train()
         kernel = layer_kernel(mixer, device.type, precision_compute_dtype(getattr(args, "precision", "32-true")))
+        compiled = torch.compile(mixer) if getattr(args, "compile", False) else None
         for T in sorted(args.lengths):
             r = measure(mixer, T, args, device)
             rows.append({"mixer": name, "kernel": kernel, "T": T, **r})
+            if compiled is not None:  # the same weights under torch.compile; compile time falls in the warm-up
+                rc = measure(compiled, T, args, device)
+                rows.append({"mixer": name + " compiled", "kernel": kernel, "T": T, **rc,
+                             "compiled / eager": rc["fwd+bwd tokens/s"] / r["fwd+bwd tokens/s"]})
             if r["fwd+bwd ms"] / 1000 > args.max_call_seconds and T != max(args.lengths):
                 skipped.append(f"{name} beyond T={T}")
                 break
@@ -172,7 +178,8 @@ def run(args) -> dict:
     if plot:
         notes.append(f"![mixers]({plot.name})")
     return {"title": "Mixers: tokens/s and peak memory vs sequence length", "rows": rows, "notes": notes,
-            "columns": ["mixer", "kernel", "T", "fwd tokens/s", "fwd+bwd tokens/s", "fwd+bwd ms", "peak MiB"], "plot": str(plot)}
+            "columns": ["mixer", "kernel", "T", "fwd tokens/s", "fwd+bwd tokens/s", "fwd+bwd ms", "peak MiB"] +
+            (["compiled / eager"] if getattr(args, "compile", False) else []), "plot": str(plot)}
 
 
 def plot_rows(rows: list[dict], path: Path) -> Path:
