@@ -11,8 +11,10 @@ from hydra.core.global_hydra import GlobalHydra
 
 from attnzoo.paths import CONF_DIR
 
-# Tiny test models run fastest on one thread (no OpenMP hand-offs per op).
+# Tiny test models run fastest on one thread (no OpenMP hand-offs per op); the suite runs two test workers side
+# by side (pyproject addopts), so the processes tests start (DDP workers, CLI runs) take one thread each too.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
