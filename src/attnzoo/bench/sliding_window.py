@@ -3,11 +3,10 @@ causal window needs) and its time, forward and forward+backward, for several que
 block (ops/sliding_window.py) is marked."""
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..ops.sliding_window import sliding_window_sdpa
+from .mixers import best_seconds
 
 HELP = "sliding-window band kernel: keys scored / keys needed and ms per call, by query-block size"
 
@@ -42,16 +41,6 @@ def scored_keys(T: int, W: int, block: int) -> float:
     return total / T
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def run(args) -> dict:
     T, rows = args.length, []
     g = torch.Generator().manual_seed(0)
@@ -72,7 +61,7 @@ def run(args) -> dict:
 
             ratio = scored_keys(T, W, b) / needed_keys(T, W)
             rows.append({"W": W, "block": b, "keys scored / needed": ratio,
-                         "fwd ms": 1e3 * _best(fwd, args.repeats), "fwd+bwd ms": 1e3 * _best(fwd_bwd, args.repeats),
+                         "fwd ms": 1e3 * best_seconds(fwd, args.repeats), "fwd+bwd ms": 1e3 * best_seconds(fwd_bwd, args.repeats),
                          "default for": " + ".join(m for m, d in defaults.items() if d == b) or None})
     return {
         "title": f"Sliding-window band kernel, T={T}, {args.heads}/{args.kv_heads} heads, d_head {args.head_dim}, fp32",
