@@ -8,7 +8,7 @@ import torch
 from attnzoo.data.text import DocumentRows, PackedBlocks
 from attnzoo.errors import ConfigError
 from attnzoo.model import DecoderLM
-from attnzoo.packing import Documents, document_ids, masked_conv
+from attnzoo.packing import Documents, masked_conv
 from attnzoo.registry import MIXERS
 from attnzoo.train import train
 from attnzoo.validation import validate
@@ -46,7 +46,6 @@ def test_documents_positions_mask_and_gather_scatter():
     assert g.shape == (docs.n_documents, 30, 3) and docs.n_documents == 7
     assert torch.equal(docs.scatter(g), x)
     assert torch.equal(g[0, :5], x[0, :5]) and not g[0, 5:].any()  # zeros after each document's end
-    assert torch.equal(document_ids(docs.starts), ids - ids[:, :1])
 
 
 def test_masked_conv_never_reads_the_previous_document():

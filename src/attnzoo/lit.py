@@ -307,8 +307,7 @@ class LitLM(TrainingModule):
             with parallel.sharded(cp):
                 out = run(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
         elif logits is None:
-            documents = Documents(batch[4]) if len(batch) > 4 else None
-            out = run(x, token_mask=token_mask, **({} if documents is None else {"documents": documents}))
+            out = run(x, token_mask=token_mask, documents=Documents(batch[4]) if len(batch) > 4 else None)
         if chunked:
             total = chunked_cross_entropy(out, self.model.lm_head.weight, y, mask, chunk_tokens=self.ce_chunk_tokens)
             count = torch.as_tensor(y.numel() if mask is None else mask.sum(), device=y.device).to(total.dtype)

@@ -36,8 +36,10 @@ class Documents:
             raise ValueError(f"document ids: expected (batch, seq_len), got shape {tuple(ids.shape)}")
         self.ids = ids
         self._positions: Optional[torch.Tensor] = None
+        self._bounds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._segments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._masks: dict = {}
+        self._layouts: dict = {}
         self._lengths: Optional[list[int]] = None
 
     @property
@@ -75,13 +77,19 @@ class Documents:
             self._masks[key] = (same & band)[:, None]
         return self._masks[key]
 
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first (N,) flat index of each document's first token, lengths (N,)), documents in order."""
+        if self._bounds is None:
+            starts = self.starts.reshape(-1)
+            first = starts.nonzero().squeeze(1)
+            self._bounds = (first, torch.diff(first, append=first.new_tensor([starts.numel()])))
+        return self._bounds
+
     def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(index (N, L) into the flattened B * T tokens, valid (N, L) bool): one row per document, in order,
         padded at the end to the longest document L. One host sync (L)."""
         if self._segments is None:
-            starts = self.starts.reshape(-1)
-            first = starts.nonzero().squeeze(1)  # (N,) flat index of each document's first token
-            lengths = torch.diff(first, append=first.new_tensor([starts.numel()]))
+            first, lengths = self.bounds()
             L = int(lengths.max())
             offs = torch.arange(L, device=first.device)
             valid = offs[None, :] < lengths[:, None]
@@ -96,9 +104,7 @@ class Documents:
     def lengths(self) -> list[int]:
         """Each document's token count, in order (row by row). One host sync."""
         if self._lengths is None:
-            starts = self.starts.reshape(-1)
-            first = starts.nonzero().squeeze(1)
-            self._lengths = torch.diff(first, append=first.new_tensor([starts.numel()])).tolist()
+            self._lengths = self.bounds()[1].tolist()
         return self._lengths
 
     def split(self) -> bool:
@@ -111,12 +117,10 @@ class Documents:
         (zeros fill the rest of its last chunk), so every chunk holds one document's tokens and the chunked
         recurrences reset their state between chunks (like fla's varlen kernels). Returns (dest (B*T,) the
         flat (B, T') slot of every token, resets (B, T' / chunk) True where a document starts, T')."""
-        key = ("chunks", chunk)
-        if key not in self._masks:
+        if chunk not in self._layouts:
             B, T = self.ids.shape
-            lengths = torch.tensor(self.lengths(), device=self.ids.device)
+            first, lengths = self.bounds()
             chunks = (lengths + chunk - 1) // chunk  # chunks per document
-            first = self.starts.reshape(-1).nonzero().squeeze(1)  # flat index of each document's first token
             row = first // T
             # aligned start (in chunks) of each document inside its row: chunks of the row's earlier documents
             before = torch.cumsum(chunks, 0) - chunks
@@ -130,8 +134,8 @@ class Documents:
             dest = (torch.arange(B * T, device=lengths.device) // T) * (n * chunk) + col
             resets = torch.zeros(B, n, dtype=torch.bool, device=lengths.device)
             resets[row, start_chunk] = True
-            self._masks[key] = (dest, resets, n * chunk)
-        return self._masks[key]
+            self._layouts[chunk] = (dest, resets, n * chunk)
+        return self._layouts[chunk]
 
     def to_chunks(self, x: torch.Tensor, chunk: int) -> torch.Tensor:
         """(B, T, ...) -> (B, T', ...) in `chunk_layout` (zeros in the gaps)."""
@@ -171,13 +175,6 @@ class Documents:
         _, valid = self.segments()
         B, T = self.ids.shape
         return y[valid].reshape(B, T, *y.shape[2:])
-
-
-def document_ids(starts: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool document starts -> (B, T) ids (0 for the row's first document)."""
-    s = starts.clone()
-    s[:, 0] = False
-    return s.long().cumsum(dim=1)
 
 
 def masked_conv(conv, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

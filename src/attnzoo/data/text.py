@@ -196,11 +196,15 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         self.train_ids, self.val_ids = ids[:-n_val], ids[-n_val:]
         if documents:
             cut = len(ids) - n_val
-            starts = {"train": starts[starts < cut], "val": starts[starts >= cut] - cut}
-            rows = (lambda split, part: PackedBlocks(part, starts[split], cfg.seq_len)) if cfg.packing else \
-                (lambda split, part: DocumentRows(part, starts[split], cfg.seq_len, separator_id(self.tokenizer)))
-            self.train_set, self.val_set = rows("train", self.train_ids), rows("val", self.val_ids)
-            self.info["documents"] = int(len(starts["train"]) + len(starts["val"]))
+            train_starts, val_starts = starts[starts < cut], starts[starts >= cut] - cut
+            if cfg.packing:
+                self.train_set = PackedBlocks(self.train_ids, train_starts, cfg.seq_len)
+                self.val_set = PackedBlocks(self.val_ids, val_starts, cfg.seq_len)
+            else:
+                sep = separator_id(self.tokenizer)
+                self.train_set = DocumentRows(self.train_ids, train_starts, cfg.seq_len, sep)
+                self.val_set = DocumentRows(self.val_ids, val_starts, cfg.seq_len, sep)
+            self.info["documents"] = len(starts)
         else:
             self.train_set, self.val_set = Blocks(self.train_ids, cfg.seq_len), Blocks(self.val_ids, cfg.seq_len)
         self.info = {

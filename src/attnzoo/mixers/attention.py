@@ -218,6 +218,7 @@ class AttentionConfig:
 
 class Attention(Mixer):
     window: Optional[int] = None  # sliding-window subclasses set this
+    sinks: int = 0  # and this (attention sinks)
     context_parallel = True  # ring attention (forward_context_parallel)
 
     def __init__(self, cfg: AttentionConfig, model_cfg, layer_idx: int):
@@ -299,7 +300,7 @@ class Attention(Mixer):
             x = cp.conv(self.input_conv, x)
         q, k, v = self.project(x, positions)
         y = cp.attention(q, k, v, causal=self.causal, scale=self.scale, window=self.window,
-                         sinks=getattr(self, "sinks", 0), alibi=self.alibi)
+                         sinks=self.sinks, alibi=self.alibi)
         return self.output(y, x)
 
     packing = "native"  # a block-diagonal document mask
@@ -313,18 +314,11 @@ class Attention(Mixer):
         q, k, v = self.project(x, positions)
         if documents.split():  # few documents: each by its own causal / band call, no mask
             def one(q, k, v):  # (1, L, H, D) -> (1, L, H, D)
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                if getattr(self, "sinks", 0):
-                    y = sink_window_attention(q, k, v, q_start=0, key_start=0, window=self.window, sinks=self.sinks,
-                                              scale=self.scale, reference=self.impl == "reference",
-                                              dropout_p=self.dropout if self.training else 0.0)
-                else:
-                    y = self.attend(q, k, v, q_offset=0)
-                return y.transpose(1, 2)
+                return self.attend_alone(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
             y = documents.per_document(one, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.output(y.transpose(1, 2), x)
-        mask = documents.mask(causal=self.causal, window=self.window, sinks=getattr(self, "sinks", 0))
+        mask = documents.mask(causal=self.causal, window=self.window, sinks=self.sinks)
         bias = None
         if self.alibi is not None:
             T = x.shape[1]
@@ -337,6 +331,10 @@ class Attention(Mixer):
             y = attention_sdpa(q, k, v, causal=False, scale=self.scale, mask=mask,
                                dropout_p=self.dropout if self.training else 0.0)
         return self.output(y, x)
+
+    def attend_alone(self, q, k, v) -> torch.Tensor:
+        """Attention over one whole sequence starting at position 0 (a packed document by its own call)."""
+        return self.attend(q, k, v, q_offset=0)
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         cp = parallel.active()
@@ -452,10 +450,15 @@ class SlidingWindowAttention(Attention):
         key_start = q_start
         if cache is not None:
             k, v, key_start, pk, pv = cache.update_with_sinks(k, v)
-        y = sink_window_attention(q, k, v, q_start=q_start, key_start=key_start, window=self.window, sinks=self.sinks,
-                                  prefix_k=pk, prefix_v=pv, scale=self.scale, reference=self.impl == "reference",
-                                  dropout_p=self.dropout if self.training else 0.0)
-        return self.output(y, x)
+        return self.output(self.sink_attention(q, k, v, q_start, key_start, pk, pv), x)
+
+    def sink_attention(self, q, k, v, q_start: int, key_start: Optional[int], prefix_k=None, prefix_v=None):
+        return sink_window_attention(q, k, v, q_start=q_start, key_start=key_start, window=self.window, sinks=self.sinks,
+                                     prefix_k=prefix_k, prefix_v=prefix_v, scale=self.scale,
+                                     reference=self.impl == "reference", dropout_p=self.dropout if self.training else 0.0)
+
+    def attend_alone(self, q, k, v) -> torch.Tensor:
+        return self.sink_attention(q, k, v, 0, 0) if self.sinks else super().attend_alone(q, k, v)
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         if self.impl == "reference" or (q.shape[2] == 1 and k.shape[2] <= self.window):
