@@ -49,3 +49,27 @@ def tiny_model_cfg(mixer: str | dict = "gqa", **kw) -> dict:
            "ffn": {"name": "swiglu"}}
     cfg.update(kw)
     return cfg
+
+
+# fp32 against another fp32 implementation (transformers, an exported model): the two differ by their
+# rounding, which grows with the depth and the size of the values - on the widened Qwen3-Next hybrid
+# fp32 vs fp64 differs by ~3e-3 in both. A fixed 1e-5 passes on one CPU and fails on the next. So the
+# tolerance is derived from the same computation: FP32_FACTOR x max|ours in fp32 - ours in fp64|, i.e.
+# the other side may round up to FP32_FACTOR - 1 times worse than ours; a wrong weight mapping moves the
+# logits by O(1) on these widened models, orders of magnitude above it.
+FP32_FACTOR = 10.0
+
+
+def fp32_atol(model, forward, floor: float = 1e-5, factor: float = FP32_FACTOR):
+    """`forward(model)` in fp32 and `forward` of an fp64 copy of `model`: returns the fp32 output and the
+    absolute tolerance for comparing it with another fp32 implementation of the same computation:
+    `factor` x max|fp32 - fp64| of this computation, at least `floor`."""
+    import copy
+
+    import torch
+
+    with torch.no_grad():
+        out32 = forward(model)
+        out64 = forward(copy.deepcopy(model).double())
+    gap = (out32.double() - out64).abs().max().item()
+    return out32, max(floor, factor * gap)
