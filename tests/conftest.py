@@ -13,8 +13,10 @@ from attnzoo.paths import CONF_DIR
 
 # Tiny test models run fastest on one thread (no OpenMP hand-offs per op); the suite runs two test workers side
 # by side (pyproject addopts), so the processes tests start (DDP workers, CLI runs) take one thread each too.
-torch.set_num_threads(1)
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# ATTNZOO_TEST_THREADS=N runs the suite on N threads everywhere (a check that no test depends on the thread count).
+THREADS = int(os.environ.get("ATTNZOO_TEST_THREADS", "1"))
+torch.set_num_threads(THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
