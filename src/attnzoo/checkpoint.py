@@ -12,18 +12,20 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .errors import ConfigError
+from .paths import follow_umask
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temp file in the same folder, fsync, then `os.replace` onto the target: a process killed
     mid-write leaves the previous checkpoint intact (and a stray `.tmp`, removed by the next successful
-    save), never a truncated one."""
+    save), never a truncated one. The file's mode follows the umask, as every other file of the run."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            follow_umask(fd)  # mkstemp's 0600 would make the checkpoint unreadable to the group (shared filesystems)
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()

@@ -18,3 +18,49 @@ CONF_DIR = _find("conf")
 
 def sweeps_dir() -> Path:
     return _find("sweeps")
+
+
+# ----------------------------------------------------------------------------- files a user keeps
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the OS says it (Linux /proc), else set and restored."""
+    import os
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path, directory: bool = False) -> None:
+    """Give `path` the mode `open()` / `mkdir()` would have given it (0o666 / 0o777 less the umask):
+    tempfile.mkstemp / mkdtemp and safetensors create 0600 / 0700 files, unreadable on a shared filesystem."""
+    import os
+
+    mode = (0o777 if directory else 0o666) & ~umask()
+    if isinstance(path, int):
+        os.fchmod(path, mode)
+    else:
+        os.chmod(path, mode)
+
+
+def unwritable(path) -> str | None:
+    """Why a file or directory cannot be created at `path` (its nearest existing ancestor is a file, or
+    read-only), or None. Checked before any work, so a command fails in one line instead of at its end."""
+    import os
+
+    p = Path(path).expanduser().absolute()
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is read-only"
+    return None

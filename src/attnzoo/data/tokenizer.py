@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import follow_umask
+
 SPECIALS = ["<|endoftext|>"]
 
 
@@ -137,6 +139,7 @@ def file_sha(path: str | Path) -> str:
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    follow_umask(fd)  # a shared cache dir: readable as any other file (mkstemp makes 0600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -168,6 +171,7 @@ def encode_corpus(tok, text: str, cache_dir: Path, key: str) -> torch.Tensor:
     t = torch.tensor(ids, dtype=torch.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    follow_umask(fd)
     os.close(fd)
     torch.save(t, tmp)
     os.replace(tmp, path)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
+from ..paths import follow_umask, unwritable
 from .archs import FIELD, _no, arch_for
 from .configs import config_from_hf, hf_config
 from .weights import hf_state_dict, load_hf_weights, read_hf_config, read_hf_state_dict, safetensors_files
@@ -53,19 +54,61 @@ def write_tokenizer(tokenizer, out: Path, max_len: int) -> Optional[int]:
     return eos_id
 
 
+def check_export_dir(out: Path, field: str = "OUT_DIR", empty: bool = False) -> None:
+    """`out` can become the export directory: not a file, under a writable directory (and, with `empty`,
+    new or an empty directory). One line, before any work."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; allowed: a new or empty directory", field=field)
+    if empty and out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; allowed: a new or empty directory", field=field)
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"{out} cannot be created ({why}); allowed: a path under a writable directory", field=field)
+
+
 def export_model(model, out_dir: str | Path, tokenizer=None) -> dict:
-    """Write `model` (an attnzoo DecoderLM) as a save_pretrained-style directory; returns its config.json."""
+    """Write `model` (an attnzoo DecoderLM) as a save_pretrained-style directory; returns its config.json.
+
+    All files are written into a temporary sibling directory, then renamed into place: a full disk or a
+    kill mid-write leaves no half-written export (an OSError propagates, and the temporary is removed).
+    Files and directory follow the umask. Into an existing non-empty directory, each file replaces its
+    namesake (os.replace) once all of them were written."""
+    import os
+    import shutil
+    import tempfile
+
     from safetensors.torch import save_file
 
     config = hf_config(model)  # refuses (one line) before anything is written
     weights = hf_state_dict(model)
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    eos = write_tokenizer(tokenizer, out, model.cfg.max_seq_len) if tokenizer is not None else None
-    if eos is not None:
-        config["eos_token_id"] = eos
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    out = Path(out_dir).expanduser().absolute()
+    check_export_dir(out)
+    created = out.parent  # the outermost parent this call creates, removed again on failure
+    while not created.parent.exists():
+        created = created.parent
+    created = None if created.exists() else created
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        eos = write_tokenizer(tokenizer, tmp, model.cfg.max_seq_len) if tokenizer is not None else None
+        if eos is not None:
+            config["eos_token_id"] = eos
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for f in tmp.iterdir():
+            follow_umask(f)  # safetensors and mkdtemp create 0600 / 0700
+        follow_umask(tmp, directory=True)
+        if out.is_dir() and any(out.iterdir()):
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)  # onto a missing or empty directory: atomic
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     return config
 
 
@@ -236,11 +279,13 @@ def main(argv: Optional[list] = None) -> None:
     args = ap.parse_args(argv)
     try:
         out = Path(args.out).expanduser()
-        if out.exists() and any(out.iterdir()):
-            raise ConfigError(f"{out} exists and is not empty; allowed: a new or empty directory", field="OUT_DIR")
+        check_export_dir(out, empty=True)
         model, tokenizer, cfg = load_run_model(args.run, args.best)
         arch = arch_for(model)
-        export_model(model, out, tokenizer)
+        try:
+            export_model(model, out, tokenizer)
+        except OSError as e:  # a full disk, a quota, a vanished directory: nothing partial is left (export_model)
+            raise ConfigError(f"cannot write {out} ({e.strerror or e}); nothing was written", field="OUT_DIR") from None
         data = (cfg.get("data") or {}).get("name", "text")
         print(f"attnzoo-export: wrote {out} ({arch.cls}, {model.num_params():,} parameters)")
         if tokenizer is None:
