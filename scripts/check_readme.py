@@ -1,4 +1,4 @@
-"""Run every command of the README's ```bash blocks in smoke form (tests/test_docs.py runs this in CI).
+"""Run every command of the README's ```bash blocks in smoke form (tests/test_readme_commands.py and tests/test_readme_chains.py run it in CI, one test per command or chain).
 
 - `attnzoo-train ...`, `attnzoo-sweep ...`, `attnzoo-report ...`, `attnzoo-bench ...`: run for real, with
   `debug=smoke` and 2 steps (bench: `--quick`), outputs in a temp dir; a sweep's grid is cut to its first
@@ -17,7 +17,9 @@
   `attnzoo-train 'model.init_from="~/..."'` reads it.
 
 Commands run in two lanes side by side (`lanes`): the ones that read an earlier command's output in README order,
-the others beside them.
+the others beside them. The test suite runs them as separate tests (no test near a timeout): each independent
+command alone (tests/test_readme_commands.py), each chain of dependent ones in its own sandbox
+(tests/test_readme_chains.py).
 
     .venv/bin/python scripts/check_readme.py [README.md]
 """
@@ -211,6 +213,48 @@ def lanes(cmds: list[str]) -> tuple[list[int], list[int]]:
     return sorted(serial), [i for i in range(len(cmds)) if i not in serial]
 
 
+def reads_earlier(cmd: str) -> bool:
+    """A command that reads what an earlier README command made (a run, `~/exported`, a sweep dir)."""
+    tool = strip_comment(cmd)[0] if not cmd.startswith("bash ") else ""
+    return tool in CONSUMERS or "~/exported" in cmd
+
+
+def chains(cmds: list[str]) -> list[list[int]]:
+    """The serial lane cut into independent chains: each starts at a command that reads nothing earlier (a
+    training run, a sweep) and holds the commands after it that read what the chain made. Chains share nothing,
+    so each runs in its own sandbox (tests/test_readme_chains.py: one test per chain)."""
+    out: list[list[int]] = []
+    for i in lanes(cmds)[0]:
+        if reads_earlier(cmds[i]) and out:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def sandbox(tmp: Path) -> dict:
+    """A temp home with a small text corpus in `~/my_corpus/`, and the environment the commands run in."""
+    home = tmp / "home"
+    (home / "my_corpus").mkdir(parents=True, exist_ok=True)
+    (home / "my_corpus" / "a.txt").write_text((ROOT / "README.md").read_text() * 20)
+    env = {**os.environ, "HOME": str(home), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+           "ATTNZOO_CACHE": os.environ.get("ATTNZOO_CACHE", str(Path.home() / ".cache" / "attnzoo"))}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def run_checked(cmds: list[str], n: int, tmp: Path, env: dict, sweep_dirs: dict) -> tuple[bool, str]:
+    """Run README command `n` in smoke form: (passed, a report line with its output when it failed)."""
+    cmd = cmds[n]
+    t0 = time.time()
+    how, res = run(cmd, tmp, env, sweep_dirs, n)
+    ok = not how.startswith("failed") and (res is None or res.returncode == 0)
+    line = f"{'ok  ' if ok else 'FAIL'} {time.time() - t0:5.1f}s  {how:40s} {cmd.strip()}"
+    if not ok and res is not None:
+        line += "\n     " + (res.stdout[-1500:] + res.stderr[-1500:]).replace("\n", "\n     ")
+    return ok, line
+
+
 def main() -> None:
     import threading
 
@@ -219,26 +263,16 @@ def main() -> None:
     lock = threading.Lock()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        home = tmp / "home"
-        (home / "my_corpus").mkdir(parents=True)
-        (home / "my_corpus" / "a.txt").write_text((ROOT / "README.md").read_text() * 20)
-        env = {**os.environ, "HOME": str(home), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-               "ATTNZOO_CACHE": os.environ.get("ATTNZOO_CACHE", str(Path.home() / ".cache" / "attnzoo"))}
-        env.pop("WANDB_API_KEY", None)
+        env = sandbox(tmp)
         cmds = commands(readme)
 
         def lane(indices: list[int], sweep_dirs: dict) -> None:
             for n in indices:
-                cmd = cmds[n]
-                t0 = time.time()
-                how, res = run(cmd, tmp, env, sweep_dirs, n)
-                ok = not how.startswith("failed") and (res is None or res.returncode == 0)
+                ok, line = run_checked(cmds, n, tmp, env, sweep_dirs)
                 with lock:
                     if not ok:
-                        failed.append(cmd)
-                    print(f"{'ok  ' if ok else 'FAIL'} {time.time() - t0:5.1f}s  {how:40s} {cmd.strip()}", flush=True)
-                    if not ok and res is not None:
-                        print("     " + (res.stdout[-1500:] + res.stderr[-1500:]).replace("\n", "\n     "))
+                        failed.append(cmds[n])
+                    print(line, flush=True)
 
         serial, independent = lanes(cmds)
         threads = [threading.Thread(target=lane, args=(serial, {})), threading.Thread(target=lane, args=(independent, {}))]
