@@ -313,12 +313,7 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     check_choice(cfg.position.name, "model.position.name", ("rope", "alibi", "sinusoidal", "learned", "none"))
     check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
     check_choice(cfg.position.scaling, "model.position.scaling", ROPE_SCALINGS)
-    check(cfg.position.factor > 0, "model.position.factor", f"must be > 0 (target / original length), got {cfg.position.factor}")
-    check(cfg.position.original_max_len is None or cfg.position.original_max_len > 0, "model.position.original_max_len",
-          f"must be positive or null (model.max_seq_len), got {cfg.position.original_max_len}")
-    if cfg.position.scaling == "llama3":
-        check(cfg.position.high_freq_factor > cfg.position.low_freq_factor, "model.position.high_freq_factor",
-              f"must exceed low_freq_factor={cfg.position.low_freq_factor}, got {cfg.position.high_freq_factor}")
+    _check_rope(cfg.position, cfg.head_dim)
     if cfg.position.scaling != "none":
         check(cfg.position.name == "rope", "model.position.scaling", f"applies to rope only; allowed with "
               f"position {cfg.position.name}: none")
@@ -332,6 +327,36 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     if hasattr(cfg.ffn, "validate"):
         cfg.ffn.validate(cfg, field="model.ffn")
     return cfg
+
+
+def _check_rope(pos: PositionConfig, head_dim: int) -> None:
+    """RoPE's knobs within the ranges position.rope_frequencies is defined on (no division by zero, no
+    frequency band ordered backwards, no head without a rotating channel); transformers' rope_config_validation
+    asks the same of its factor >= 1."""
+    check(pos.factor >= 1, "model.position.factor", f"must be >= 1 (target / original length; 1: no extension), "
+          f"got {pos.factor}")
+    check(pos.original_max_len is None or pos.original_max_len > 0, "model.position.original_max_len",
+          f"must be positive or null (model.max_seq_len), got {pos.original_max_len}")
+    if pos.name != "rope":
+        return
+    check(pos.theta > 1, "model.position.theta", f"must be > 1 (the RoPE base: frequencies theta^(-2i/d); "
+          f"10000 usual), got {pos.theta}")
+    rot = int(head_dim * pos.rotary_fraction) // 2 * 2  # position.RotaryEmbedding.rotary_dim
+    check(rot >= 2, "model.position.rotary_fraction", f"{pos.rotary_fraction} of head_dim={head_dim} rotates no "
+          f"channel pair; allowed: >= {2 / head_dim:.4g}")
+    if pos.scaling == "dynamic":
+        check(rot > 2, "model.position.rotary_fraction", f"{pos.rotary_fraction} of head_dim={head_dim} rotates 2 "
+              f"channels; dynamic NTK scales theta by a power dim/(dim-2); allowed: >= {4 / head_dim:.4g}")
+    if pos.scaling == "yarn":
+        check(pos.beta_slow > 0, "model.position.beta_slow", f"must be > 0 (turns over the original length), "
+              f"got {pos.beta_slow}")
+        check(pos.beta_fast > pos.beta_slow, "model.position.beta_fast", f"must exceed beta_slow={pos.beta_slow} "
+              f"(fast channels turn more often), got {pos.beta_fast}")
+    if pos.scaling == "llama3":
+        check(pos.low_freq_factor > 0, "model.position.low_freq_factor", f"must be > 0 (the longest kept wavelength "
+              f"is original_max_len / low_freq_factor), got {pos.low_freq_factor}")
+        check(pos.high_freq_factor > pos.low_freq_factor, "model.position.high_freq_factor",
+              f"must exceed low_freq_factor={pos.low_freq_factor}, got {pos.high_freq_factor}")
 
 
 def parse_pattern(pattern: Any) -> list[str] | None:
