@@ -216,11 +216,12 @@ def _moba_reference(q, k, v, k_mean, *, q_start, block_size, topk, scale):
 
 
 def moba_keys(context_len: int, block_size: int, topk: int) -> tuple[float, float]:
-    """Average over positions 1..L of (past blocks scored by the gate, keys attended)."""
+    """Average over positions 1..L of (past blocks scored by the gate, keys attended). With topk = 1 the own
+    block is the only one read and no block is scored."""
     gate = keys = 0
     for p in range(context_len):
         blk = p // block_size
-        gate += blk
+        gate += blk if topk > 1 else 0
         keys += min(topk - 1, blk) * block_size + p % block_size + 1
     return gate / context_len, keys / context_len
 
