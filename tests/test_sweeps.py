@@ -215,6 +215,20 @@ def test_budget_without_ffn_sets_head_dim_and_rejects_unreachable():
         match_budget(tiny(), 256, 10)  # below what the rest of the model already holds
 
 
+@pytest.mark.parametrize("ffn,frac", [("swiglu", 0.25), ("swiglu", 0.75), ("none", 0.25), ("none", 0.75)])
+def test_budget_picks_the_closest_width_not_the_next_one_up(ffn, frac):
+    """A target a quarter of one width step above width w: w is closest, rounding up would give w + 1 step;
+    three quarters: w + 1 step is closest, rounding down would give w."""
+    key = "d_ff" if ffn != "none" else "head_dim"
+    step = 1 if ffn != "none" else 2
+    at = lambda w: count_params({**tiny(ffn), **({key: w} if key == "head_dim" else {"ffn": {"name": ffn, key: w}})}, 256)  # noqa: E731
+    w = 40 * step
+    target = round(at(w) + frac * (at(w + step) - at(w)))
+    cfg, info = match_budget(tiny(ffn), 256, target)
+    assert info["budget/value"] == (w if frac < 0.5 else w + step)
+    assert abs(info["budget/params"] - target) < min(abs(at(v) - target) for v in (w - step, w + 2 * step))
+
+
 def test_report_with_a_broken_summary_names_the_job_and_builds_the_rest(tmp_path, capsys):
     d = tmp_path / "sw"
     for j, text in (("0", json.dumps({"status": "ok", "metrics": {"val/loss": 1.5}})), ("1", '{"status": "ok", "metr')):
