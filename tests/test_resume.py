@@ -77,6 +77,89 @@ def test_checkpoint_restores_the_random_generators_and_the_throughput_window(tmp
     assert perf_steps(split) == perf_steps(ref) == [9, 19]  # without the window's state: [9, 25] (past the end)
 
 
+def _generator_states() -> dict:
+    """Every global generator's full state, comparable with ==: python, numpy (with its cached gaussian),
+    torch CPU, and each CUDA device's when CUDA is up."""
+    import random
+
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached),
+           "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _draw_from_every_generator() -> None:
+    import random
+
+    import numpy as np
+
+    random.gauss(0, 1)  # gauss caches its second value: the cache is part of the state
+    np.random.standard_normal()  # numpy's legacy gaussian cache too
+    torch.rand(3)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.rand(3, device="cuda")
+
+
+def test_checkpoint_round_trip_restores_every_generator(tmp_path):
+    """The states a checkpoint file holds (saved, written, read back with weights_only=True) are restored
+    exactly for every generator after they have all moved on."""
+    from attnzoo.lit import TrainingModule
+
+    _draw_from_every_generator()
+    ckpt: dict = {}
+    TrainingModule.on_save_checkpoint(None, ckpt)
+    at_save = _generator_states()
+    torch.save(ckpt, tmp_path / "c.pt")
+    for _ in range(3):
+        _draw_from_every_generator()
+    assert all(_generator_states()[k] != at_save[k] for k in at_save)
+    TrainingModule.on_load_checkpoint(None, torch.load(tmp_path / "c.pt", weights_only=True))
+    after = _generator_states()
+    for k in at_save:
+        assert after[k] == at_save[k], k
+
+
+def test_resume_restores_every_generator_to_the_checkpoint(tmp_path, monkeypatch):
+    """Through a real `ckpt_path=last` resume: right after Lightning hands the checkpoint to the module, each
+    global generator is in the state the checkpoint recorded (python, numpy, torch CPU, CUDA if present)."""
+    import random
+
+    import numpy as np
+
+    from lightning.pytorch import seed_everything
+
+    from attnzoo.lit import TrainingModule, set_rng_states
+
+    run = tmp_path / "r"
+    with monkeypatch.context() as m:  # every generator drawn from at each step (a numpy augmentation, say), so
+        # none is left in its seeded state, which a resume that forgot it would reproduce by seeding again
+        m.setattr(TrainingModule, "on_train_batch_start", lambda self, *a: _draw_from_every_generator(), raising=False)
+        train(compose_cfg(BASE + ["trainer.max_steps=4"], run))
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["rng_states"]
+    set_rng_states(saved)
+    expected = _generator_states()
+    seed_everything(compose_cfg(BASE, tmp_path / "x").seed, verbose=False)
+    seeded = _generator_states()
+    assert all(seeded[k] != expected[k] for k in expected)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)  # somewhere else entirely before the resume
+    seen = []
+    original = TrainingModule.on_load_checkpoint
+
+    def recording(self, checkpoint):
+        original(self, checkpoint)
+        seen.append(_generator_states())
+
+    monkeypatch.setattr(TrainingModule, "on_load_checkpoint", recording)
+    train(compose_cfg(BASE + ["trainer.max_steps=8", "ckpt_path=last"], run))
+    assert len(seen) == 1 and set(seen[0]) == set(expected)
+    for k in expected:
+        assert seen[0][k] == expected[k], k
+
+
 def test_finished_run_resumed_changes_nothing(tmp_path):
     """The issue's reproduction: finish a MoE run, rerun it with ckpt_path=last: val/loss must not change."""
     a = train(compose_cfg(BASE + MOE + ["trainer.max_steps=8"], tmp_path / "r"))
@@ -240,3 +323,27 @@ def test_resume_continues_the_tensorboard_folder_and_the_wandb_run(tmp_path, mon
         acc.Reload()
         steps += [e.step for e in acc.Scalars("train/loss")] if "train/loss" in acc.Tags()["scalars"] else []
     assert sorted(steps) == list(range(8))
+
+
+def test_the_training_loader_is_stateful_and_its_state_alone_resumes_mid_epoch(tmp_path, recwarn):
+    """Lightning sees the training loader as resumable (no "dataloader is not resumable" warning after a mid-epoch
+    resume): its state (epoch, batches consumed) is in the checkpoint's fit loop, and that state alone, with the
+    datamodule's own entry removed, resumes at the next batch of the uninterrupted run."""
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    train(compose_cfg(BASE + ["trainer.max_steps=8"], ref))
+    train(compose_cfg(BASE + ["trainer.max_steps=4"], split))
+    path = split / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(path, weights_only=False)
+    state = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert len(state) == 1 and state[0]["batches"] == 4 and state[0]["epoch"] == 0  # mid-epoch: 4 batches done
+    dm_keys = [k for k, v in ckpt.items() if isinstance(v, dict) and set(v) == {"epoch", "batches"}]
+    assert len(dm_keys) == 1
+    del ckpt[dm_keys[0]]
+    torch.save(ckpt, path)
+    recwarn.clear()
+    train(compose_cfg(BASE + ["trainer.max_steps=8", "ckpt_path=last"], split))
+    assert not [w for w in recwarn if "not resumable" in str(w.message)]
+    la, lb = train_losses(ref), train_losses(split)
+    assert sorted(lb) == sorted(la) == list(range(8))
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
