@@ -128,6 +128,57 @@ def kv_format_of(run: LoadedRun, args: argparse.Namespace):
     return fmt
 
 
+# ----------------------------------------------------------------------------- command-line checks (before any work)
+
+
+def check_device(device: str, field: str = "--device") -> None:
+    """A device torch knows and this machine has: one line, before the checkpoint is read."""
+    allowed = "cpu" + (", cuda, cuda:N" if torch.cuda.is_available() else "") + (
+        ", mps" if torch.backends.mps.is_available() else "")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; allowed: {allowed}", field=field) from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda" and torch.cuda.is_available():
+        if dev.index is None or dev.index < torch.cuda.device_count():
+            return
+        raise ConfigError(f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s); allowed: {allowed}",
+                          field=field)
+    if dev.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ConfigError(f"{device}: no such device on this machine; allowed: {allowed}", field=field)
+
+
+def check_out_file(out: Optional[Path], field: str = "--out") -> None:
+    """An output file path that can be written: not a directory, not under a file or a read-only directory."""
+    from .paths import unwritable
+
+    if out is None:
+        return
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; allowed: a file path", field=field)
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"{out} cannot be written ({why}); allowed: a path under a writable directory", field=field)
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"must be >= 0 (0: greedy), got {temperature}", field="--temperature")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"must be >= 0 (0: no top-k cut), got {top_k}", field="--top-k")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
+
+
+def position_limit(model) -> Optional[int]:
+    """The most positions `model` can embed (its learned table), or None where positions are computed."""
+    cfg = getattr(model, "cfg", None)
+    return cfg.max_seq_len if getattr(getattr(cfg, "position", None), "name", None) == "learned" else None
+
+
 # ----------------------------------------------------------------------------- generate
 
 
@@ -168,10 +219,11 @@ def generate_main(argv: list[str] | None = None) -> None:
     ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
     ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
     ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=40)
-    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="prompt + new tokens: at most model.max_seq_len "
+                    "with learned positions")
+    ap.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40, help=">= 0; 0 = no top-k cut")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -184,6 +236,12 @@ def generate_main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
         if args.max_new_tokens < 1:
             raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        check_device(args.device)
+        prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+        if not prompts:
+            raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
+                              field="--prompts")
         run = load(args.run, best=args.best, device=args.device)
         from .families import family_of
 
@@ -191,17 +249,35 @@ def generate_main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
                               field="checkpoint")
         fmt = kv_format_of(run, args)
-        prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+        _check_prompts(run, prompts, args.max_new_tokens)
         for i, prompt in enumerate(prompts):
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}: {prompt!r}", flush=True)
             print(prompt, end="", flush=True)
-            stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
+            stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed + i,
                    lambda s: print(s, end="", flush=True), kv_format=fmt)
             print(flush=True)
     except ConfigError as e:
         print(f"attnzoo-generate: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int) -> None:
+    """Every prompt encodes to tokens and, with learned positions, fits the table with its new tokens:
+    checked for all prompts before the first is sampled."""
+    limit = position_limit(run.model)
+    field = "prompt" if len(prompts) == 1 else "--prompts"
+    for i, prompt in enumerate(prompts):
+        n = len(run.encode(prompt))
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if n == 0:
+            raise ConfigError(f"{which} encodes to no tokens", field=field)
+        if limit is not None and n >= limit:
+            raise ConfigError(f"{which} ({n} tokens) fills the learned position table (model.max_seq_len={limit}); "
+                              f"allowed: a prompt of < {limit} tokens", field=field)
+        if limit is not None and n + max_new_tokens > limit:
+            raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed the learned position "
+                              f"table (model.max_seq_len={limit}); allowed: <= {limit - n}", field="--max-new-tokens")
 
 
 # ----------------------------------------------------------------------------- eval
@@ -218,14 +294,23 @@ def eval_main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
     ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
     ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
-    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths")
-    ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths (>= 2)")
+    ap.add_argument("--max-batches", type=int, default=None, help=">= 1 (default: every batch)")
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     kv_format_args(ap)
     args = ap.parse_args(argv)
     try:
+        short = [L for L in args.context_lengths if L < 2]
+        if short:
+            raise ConfigError(f"got {' '.join(map(str, short))}; allowed: lengths >= 2 (a prediction needs a "
+                              f"token before it)", field="--context-lengths")
+        if args.max_batches is not None and args.max_batches < 1:
+            raise ConfigError(f"must be >= 1, got {args.max_batches}; allowed: omit it for every batch",
+                              field="--max-batches")
+        check_out_file(args.out)
+        check_device(args.device)
         run = load(args.run, best=args.best, device=args.device)
         from .families import family_of
 

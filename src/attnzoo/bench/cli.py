@@ -62,12 +62,27 @@ def write_result(name: str, result: dict, out: Path, argv: list[str]) -> tuple[P
     return js, md
 
 
+def check_common(args) -> None:
+    """--threads and --out, one line each (ConfigError) before any benchmark runs."""
+    from ..errors import ConfigError
+    from ..paths import unwritable
+
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"must be >= 1, got {args.threads}; allowed: omit it for torch's default", field="--threads")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; allowed: a folder (new or existing)", field="--out")
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"{out} cannot be created ({why}); allowed: a folder under a writable directory", field="--out")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     mods = subcommands()
     parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON + markdown")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (>= 1)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, mod in sorted(mods.items()):
         p = sub.add_parser(name, help=getattr(mod, "HELP", ""))
@@ -78,11 +93,12 @@ def main(argv: list[str] | None = None) -> None:
             if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
                 p.set_defaults(**mod.QUICK)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from ..errors import ConfigError
 
     try:
+        check_common(args)  # before the benchmark runs: a bad --out would otherwise fail after minutes of work
+        if args.threads:
+            torch.set_num_threads(args.threads)
         result = mods[args.cmd].run(args)
     except (ConfigError, ValueError) as e:  # a bad combination of flags: one line, not a traceback
         parser.exit(2, f"attnzoo-bench {args.cmd}: error: {str(e).splitlines()[0]}\n")

@@ -1,0 +1,136 @@
+"""Bad options of attnzoo-generate, attnzoo-eval and attnzoo-bench: exit status 2, exactly one stderr line naming
+the option and what is allowed, before any work (the checkpoint is not read, the benchmark does not run) and
+nothing written. The rows of docs/reliability.md's table come from scripts/bad_input_table.py (EXTRA)."""
+import pytest
+import torch
+
+from attnzoo import inference
+from attnzoo.bench import cli as bench_cli
+from attnzoo.inference import eval_main, generate_main
+from attnzoo.train import train
+from tests.conftest import SMALL_TEXT, compose_cfg
+
+# learned positions, a table of 40: prompt + new tokens past it cannot be embedded
+LEARNED = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "model/position=learned",
+           "model.max_seq_len=40", "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.measure_decode=false",
+           "sample.max_new_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def learned_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    train(compose_cfg(LEARNED, out))
+    return out
+
+
+def refused(capsys, main, argv) -> str:
+    """Run a CLI expecting a refusal; return its one stderr line (nothing on stdout: no work began)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1, cap.err
+    assert cap.out == "", cap.out
+    return lines[0]
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """The refusal comes before the checkpoint is read."""
+    monkeypatch.setattr(inference, "load", lambda *a, **k: pytest.fail("read the checkpoint before checking"))
+
+
+# ----------------------------------------------------------------------------- attnzoo-generate
+
+
+def _empty_prompts(tmp):
+    (tmp / "prompts.txt").write_text("\n  \n\n")
+    return ["--prompts", str(tmp / "prompts.txt")]
+
+
+GENERATE = [  # (argv after RUN, the stderr line after "attnzoo-generate: error: ")
+    (["x", "--temperature", "-0.5"], "--temperature: must be >= 0 (0: greedy), got -0.5"),
+    (["x", "--temperature", "nan"], "--temperature: must be >= 0 (0: greedy), got nan"),
+    (["x", "--top-p", "0"], "--top-p: must be in (0, 1] (1: no nucleus cut), got 0.0"),
+    (["x", "--top-p", "1.5"], "--top-p: must be in (0, 1] (1: no nucleus cut), got 1.5"),
+    (["x", "--top-k", "-1"], "--top-k: must be >= 0 (0: no top-k cut), got -1"),
+    (["x", "--device", "tpu"], "--device: unknown device 'tpu'; allowed: cpu"),
+    (["x", "--device", "cuda:99"], "--device: cuda:99: "),
+    (_empty_prompts, "--prompts: <tmp>/prompts.txt holds no prompt (no non-blank line); allowed: one prompt per line"),
+]
+
+
+@pytest.mark.parametrize("argv,line", GENERATE, ids=[" ".join(a) if isinstance(a, list) else "empty prompts file"
+                                                       for a, _ in GENERATE])
+def test_generate_options_refused_before_work(argv, line, tmp_path, capsys, no_load):
+    argv = argv(tmp_path) if callable(argv) else argv
+    got = refused(capsys, generate_main, [str(tmp_path / "run"), *argv])
+    assert got.startswith("attnzoo-generate: error: " + line.replace("<tmp>", str(tmp_path))), got
+
+
+def test_generate_past_the_learned_position_table_is_one_line(learned_run, tmp_path, capsys):
+    """'def ' is 4 characters: 36 new tokens fill the table of 40 exactly, 37 do not fit (was a traceback)."""
+    got = refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37"])
+    assert got == ("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed the "
+                   "learned position table (model.max_seq_len=40); allowed: <= 36")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("d\n" + "x" * 40 + "\n")  # every prompt is checked before the first is sampled
+    got = refused(capsys, generate_main, [str(learned_run), "--prompts", str(prompts), "--max-new-tokens", "1"])
+    assert got == ("attnzoo-generate: error: --prompts: prompt 2 (40 tokens) fills the learned position table "
+                   "(model.max_seq_len=40); allowed: a prompt of < 40 tokens")
+    generate_main([str(learned_run), "def ", "--max-new-tokens", "36", "--top-k", "0", "--top-p", "1"])  # the edge fits
+    out = capsys.readouterr().out
+    assert out.startswith("def ") and len(out.rstrip("\n")) >= 4
+
+
+# ----------------------------------------------------------------------------- attnzoo-eval
+
+
+def _file(tmp):
+    (tmp / "f.txt").write_text("x")
+    return tmp / "f.txt"
+
+
+EVAL = [
+    (lambda t: ["--context-lengths", "64", "0", "-5"], "--context-lengths: got 0 -5; allowed: lengths >= 2"),
+    (lambda t: ["--max-batches", "0"], "--max-batches: must be >= 1, got 0; allowed: omit it for every batch"),
+    (lambda t: ["--out", str(_file(t) / "eval.json")],
+     "--out: <tmp>/f.txt/eval.json cannot be written (<tmp>/f.txt is a file, not a directory); allowed: a path "
+     "under a writable directory"),
+    (lambda t: ["--out", str(t)], "--out: <tmp> is a directory; allowed: a file path"),
+    (lambda t: ["--device", "npu"], "--device: unknown device 'npu'; allowed: cpu"),
+]
+
+
+@pytest.mark.parametrize("argv,line", EVAL, ids=[e[1].split(":")[0] + str(i) for i, e in enumerate(EVAL)])
+def test_eval_options_refused_before_work(argv, line, learned_run, tmp_path, capsys, no_load):
+    got = refused(capsys, eval_main, [str(learned_run), *argv(tmp_path)])
+    assert got.startswith("attnzoo-eval: error: " + line.replace("<tmp>", str(tmp_path))), got
+    assert not (learned_run / "eval.json").exists() and not (tmp_path / "f.txt" / "eval.json").exists()
+
+
+# ----------------------------------------------------------------------------- attnzoo-bench
+
+
+BENCH = [
+    (lambda t: ["--threads", "0"], "--threads: must be >= 1, got 0; allowed: omit it for torch's default"),
+    (lambda t: ["--threads", "-2"], "--threads: must be >= 1, got -2"),
+    (lambda t: ["--out", str(_file(t))], "--out: <tmp>/f.txt is a file; allowed: a folder (new or existing)"),
+    (lambda t: ["--out", str(_file(t) / "bench")],
+     "--out: <tmp>/f.txt/bench cannot be created (<tmp>/f.txt is a file, not a directory); allowed: a folder under "
+     "a writable directory"),
+]
+
+
+@pytest.mark.parametrize("argv,line", BENCH, ids=[b[1].split(";")[0] for b in BENCH])
+def test_bench_options_refused_before_the_benchmark_runs(argv, line, tmp_path, capsys, monkeypatch):
+    mods = bench_cli.subcommands()
+    monkeypatch.setattr(bench_cli, "subcommands", lambda: mods)
+    monkeypatch.setattr(mods["cache"], "run", lambda args: pytest.fail("the benchmark ran before the check"))
+    threads = torch.get_num_threads()
+    argv = argv(tmp_path)
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "bench")]
+    got = refused(capsys, bench_cli.main, [*out, *argv, "cache", "--quick"])
+    assert got.startswith("attnzoo-bench cache: error: " + line.replace("<tmp>", str(tmp_path))), got
+    assert torch.get_num_threads() == threads and not (tmp_path / "bench").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["f.txt"])
