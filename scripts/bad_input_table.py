@@ -24,6 +24,21 @@ EXTRA = [
     ("`ckpt_path=last` with another model config", "ckpt_path: <ckpt> was trained with another model/data config: model.mixer.name ('gqa' -> 'mla'); allowed: the run's own values (attnzoo-train --resume RUN_DIR reuses them)"),
     ("`--resume DIR` on a dir that is not a run", "--resume: <dir> is not a run directory (no .hydra/overrides.yaml)"),
     ("`attnzoo-report` on a job with a broken summary.json", "one stderr line per bad job; the report is still built"),
+    # command-line tools (tests/test_bad_input_cli.py, tests/test_kept_files.py): refused before the run is read
+    ("`attnzoo-export RUN OUT` onto a full disk", "OUT_DIR: cannot write <out> (No space left on device); nothing was written"),
+    ("`attnzoo-export RUN FILE` (the output path is a file)", "OUT_DIR: <file> is a file; allowed: a new or empty directory"),
+    ("`attnzoo-export RUN FILE/export` (under a file)", "OUT_DIR: <file>/export cannot be created (<file> is a file, not a directory); allowed: a path under a writable directory"),
+    ("`attnzoo-generate RUN x --temperature -0.5`", "--temperature: must be >= 0 (0: greedy), got -0.5"),
+    ("`attnzoo-generate RUN x --top-p 1.5` (or 0)", "--top-p: must be in (0, 1] (1: no nucleus cut), got 1.5"),
+    ("`attnzoo-generate RUN x --top-k -1`", "--top-k: must be >= 0 (0: no top-k cut), got -1"),
+    ("`attnzoo-generate RUN x --device tpu`", "--device: unknown device 'tpu'; allowed: cpu"),
+    ("`attnzoo-generate RUN --prompts FILE` with no non-blank line", "--prompts: <file> holds no prompt (no non-blank line); allowed: one prompt per line"),
+    ("`attnzoo-generate RUN \"def \" --max-new-tokens 37` with learned positions, max_seq_len 40", "--max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed the learned position table (model.max_seq_len=40); allowed: <= 36"),
+    ("`attnzoo-eval RUN --context-lengths 64 0 -5`", "--context-lengths: got 0 -5; allowed: lengths >= 2 (a prediction needs a token before it)"),
+    ("`attnzoo-eval RUN --max-batches 0`", "--max-batches: must be >= 1, got 0; allowed: omit it for every batch"),
+    ("`attnzoo-eval RUN --out FILE/eval.json` (under a file)", "--out: <file>/eval.json cannot be written (<file> is a file, not a directory); allowed: a path under a writable directory"),
+    ("`attnzoo-bench --threads 0 SUBCOMMAND`", "--threads: must be >= 1, got 0; allowed: omit it for torch's default"),
+    ("`attnzoo-bench --out FILE/bench SUBCOMMAND` (under a file)", "--out: <file>/bench cannot be created (<file> is a file, not a directory); allowed: a folder under a writable directory"),
 ]
 
 
