@@ -18,6 +18,10 @@ BEGIN, END = "<!-- bad-input table: begin (scripts/bad_input_table.py) -->", "<!
 EXTRA = [
     ("`model/mixer=softmaxx` (any unknown option of a config group)", "model/mixer: unknown option 'softmaxx'; allowed: deltanet, gated_deltanet, gqa, linear_attention, mha, mla, moba, mqa, nsa, sliding_window"),
     ("`model.n_head=4` (a misspelt key, no `+`)", "model.n_head: unknown key; did you mean model.n_heads? allowed keys: ... (add a new key with +model.n_head=4)"),
+    ("`attnzoo-sweep mixers model.n_head=4` (a misspelt key in a sweep, also as a grid `model.n_head=4,8`)", "model.n_head: unknown key; did you mean model.n_heads? allowed keys: ... (add a new key with +model.n_head=4)"),
+    ("`hparams_search=optuna` with `optim.lr: tag(log, interval(0, 3e-2))` in `hydra.sweeper.params`", "hydra.sweeper.params.optim.lr: tag(log, interval(0, 3e-2)) is a log range with low <= 0; allowed: 0 < low <= high"),
+    ("`hparams_search=optuna` with `interval(0.1, 0.01)` (low > high)", "hydra.sweeper.params.optim.lr: interval(0.1, 0.01) has low > high; allowed: low <= high"),
+    ("`hparams_search=optuna hydra.sweeper.n_trials=0`", "hydra.sweeper.n_trials: 0; allowed: an integer >= 1 (trials in the study)"),
     ("`paths.output_dir=` on a disk with < 64 MiB free", "paths.output_dir: <dir>: only 5.0 MiB free on its filesystem; allowed: >= 64 MiB free (checkpoints, logs)"),
     ("the disk fills up during the run", "paths.output_dir: no space left writing <ckpt> (No space left on device); the last complete checkpoint is kept; allowed: free space, then resume with --resume <run dir>"),
     ("a second run into a live run's dir", "hydra.run.dir: <dir> is in use by a live run (pid N on host); allowed: another hydra.run.dir, ..."),

@@ -298,3 +298,81 @@ def test_misspelt_key_without_plus_is_one_line_from_the_cli(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("attnzoo: error: model.n_head: unknown key; did you mean model.n_heads?")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("extra", [["model.n_head=4"], ["optim.lrr=1e-3,3e-3"]], ids=["key", "swept-key"])
+def test_sweep_unknown_key_is_the_same_one_line_as_train(extra, tmp_path, capsys):
+    """`attnzoo-sweep NAME model.n_head=4`: attnzoo-train's one-line refusal (check_unknown_keys, here on the
+    sweep's composed first job), exit status 2, before Hydra makes the sweep dir."""
+    from attnzoo import sweep
+
+    d = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["mixers", "debug=smoke", *extra, f"hydra.sweep.dir={d}", "hydra/launcher=basic"])
+    err = capsys.readouterr().err.strip().splitlines()
+    key = extra[0].split("=")[0]
+    hint = {"model.n_head": "model.n_heads", "optim.lrr": "optim.lr"}[key]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"attnzoo: error: {key}: unknown key; did you mean {hint}?"), err
+    assert not d.exists()
+
+
+def _optuna_sweeper(*overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=["hparams_search=optuna", *overrides], return_hydra_config=True).hydra.sweeper
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("overrides,task,message", [
+    (["hydra.sweeper.params={optim.lr:'tag(log, interval(0, 3e-2))'}"], [],
+     "hydra.sweeper.params.optim.lr: tag(log, interval(0, 3e-2)) is a log range with low <= 0; allowed: 0 < low <= high"),
+    (["hydra.sweeper.params={optim.lr:'interval(0.1, 0.01)'}"], [],
+     "hydra.sweeper.params.optim.lr: interval(0.1, 0.01) has low > high; allowed: low <= high"),
+    ([], ["optim.lr=tag(log, interval(-1e-3, 1e-2))"],  # a range given on the command line joins the space
+     "optim.lr: tag(log, interval(-1e-3, 1e-2)) is a log range with low <= 0; allowed: 0 < low <= high"),
+    ([], ["scheduler.warmup_steps=range(50,0)"],
+     "scheduler.warmup_steps: range(50,0) is an empty range; allowed: range(start, stop, step) with start <= stop, step > 0"),
+    (["hydra.sweeper.n_trials=0"], [], "hydra.sweeper.n_trials: 0; allowed: an integer >= 1 (trials in the study)"),
+    (["hydra.sweeper.n_jobs=0"], [], "hydra.sweeper.n_jobs: 0; allowed: an integer >= 1 (trials launched at a time)"),
+], ids=["log-from-zero", "low-above-high", "cli-log-negative", "empty-range", "zero-trials", "zero-jobs"])
+def test_optuna_search_space_that_cannot_be_sampled(overrides, task, message):
+    from attnzoo.sweep import check_search_space
+
+    assert check_search_space(_optuna_sweeper(*overrides), ["experiment=mqar", *task]) == message
+
+
+def test_optuna_default_search_space_passes():
+    from attnzoo.sweep import check_search_space
+
+    sweeper = _optuna_sweeper()
+    assert check_search_space(sweeper, ["experiment=mqar", "optim.lr=tag(log, interval(1e-4, 1e-2))"]) is None
+    assert check_search_space({"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"}, []) is None
+
+
+def test_optuna_zero_trials_is_refused_from_the_cli(tmp_path):
+    """The real path: Hydra's multirun calls SearchSpaceCheck before the sweeper; one stderr line, exit 2,
+    no sweep dir (before: a traceback from the sweeper's `best_trial` after an empty study)."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "optuna"
+    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+                        "hydra.sweeper.n_trials=0", f"hydra.sweep.dir={d}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == ["attnzoo: error: hydra.sweeper.n_trials: 0; allowed: an integer >= 1 (trials in the study)"]
+    assert r.stdout.strip() == "" and not d.exists()
+
+
+def test_every_sweep_passes_the_unknown_key_check():
+    """No false refusals: each named sweep's own command line (its grid keys given again included) composes."""
+    from attnzoo.sweep import available, hydra_argv
+    from attnzoo.train import check_unknown_keys
+
+    for name in available():
+        assert check_unknown_keys(hydra_argv(name, ["debug=smoke", "optim.lr=1e-3,3e-3"])) is None, name

@@ -75,6 +75,65 @@ class SweepTally(Callback):
             sys.exit(1)
 
 
+class SearchSpaceCheck(Callback):
+    """Before a multirun starts (nothing written yet): an Optuna study that cannot be sampled is refused in
+    one line, exit status 2, instead of a traceback from inside the sweeper (or, for zero trials, after it)."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        problem = check_search_space(config.hydra.sweeper, list(config.hydra.overrides.task))
+        if problem:
+            print(f"attnzoo: error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def check_search_space(sweeper, task_overrides: list[str]) -> str | None:
+    """One line naming the first setting of an Optuna sweeper (hydra-optuna-sweeper) that cannot run: a
+    search range (`hydra.sweeper.params.KEY`, or a `KEY=interval(..)` / `range(..)` override on the command
+    line, which the sweeper adds to the space) that is empty or a log range reaching 0, a study of no
+    trials, a failure rate outside [0, 1]. None for any other sweeper (grid sweeps enumerate their values)."""
+    if "optuna" not in str(sweeper.get("_target_", "")).lower():
+        return None
+    import logging
+
+    # importing optuna sets up alembic, whose INFO lines ("setup plugin ...") Hydra's console logger would show
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_override
+
+    n_trials, n_jobs = sweeper.get("n_trials"), sweeper.get("n_jobs")
+    if not (isinstance(n_trials, int) and n_trials >= 1):
+        return f"hydra.sweeper.n_trials: {n_trials}; allowed: an integer >= 1 (trials in the study)"
+    if not (isinstance(n_jobs, int) and n_jobs >= 1):
+        return f"hydra.sweeper.n_jobs: {n_jobs}; allowed: an integer >= 1 (trials launched at a time)"
+    rate = sweeper.get("max_failure_rate", 0.0)
+    if not 0.0 <= rate <= 1.0:
+        return f"hydra.sweeper.max_failure_rate: {rate}; allowed: [0, 1]"
+    space = [(f"hydra.sweeper.params.{k}", f"{k}={v}") for k, v in (sweeper.get("params") or {}).items()]
+    space += [(o.split("=", 1)[0], o) for o in task_overrides if "=" in o]
+    parser = OverridesParser.create()
+    for field, line in space:
+        given = line.split("=", 1)[1]
+        try:
+            o = parser.parse_override(line)
+        except Exception as e:  # noqa: BLE001 - Hydra's parser: its message's first line
+            return f"{field}: cannot parse {given!r} ({str(e).strip().splitlines()[0]})"
+        if not o.is_sweep_override():
+            continue  # a fixed value
+        v = o.value()
+        if o.is_interval_sweep():
+            if v.start > v.end:
+                return f"{field}: {given} has low > high; allowed: low <= high"
+            if "log" in v.tags and v.start <= 0:
+                return f"{field}: {given} is a log range with low <= 0; allowed: 0 < low <= high"
+        elif o.is_range_sweep() and not v.shuffle and (v.step <= 0 or v.start > v.stop):
+            return f"{field}: {given} is an empty range; allowed: range(start, stop, step) with start <= stop, step > 0"
+        try:  # anything else Optuna itself cannot sample
+            create_optuna_distribution_from_override(o)
+        except Exception as e:  # noqa: BLE001 - Optuna's ValueError / the sweeper's assertions
+            return f"{field}: {given} cannot be sampled by Optuna ({str(e).strip().splitlines()[0] or type(e).__name__})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()

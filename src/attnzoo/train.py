@@ -561,26 +561,47 @@ def check_group_overrides(args: list[str]) -> str | None:
     return None
 
 
+def first_job_override(arg: str) -> str | None:
+    """`key=a,b`, `key=range(1,5)`, `key=tag(log, interval(1e-4, 3e-2))` -> `key=<its first value>`: one
+    job's form of a sweep override, so a multirun's keys can be checked by composing one job. Other
+    overrides unchanged; None when Hydra cannot parse or enumerate it (`glob(*)`): Hydra reports it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Transformer
+
+    try:
+        o = OverridesParser.create().parse_override(arg)
+        if not o.is_sweep_override():
+            return arg
+        first = o.value().start if o.is_interval_sweep() else next(iter(o.sweep_iterator(Transformer.encode)))
+    except Exception:  # noqa: BLE001 - any parse problem: Hydra's own report
+        return None
+    return f"{arg.split('=', 1)[0]}={first}"
+
+
 def check_unknown_keys(args: list[str]) -> str | None:
     """One-line error for `a.b=value` naming a key the composed config does not have (`model.n_head=4`:
     Hydra reports it in five lines; here `model.n_head: unknown key; did you mean model.n_heads? ...`).
-    Single runs only (a multirun's jobs are checked by Hydra / validate per job); any other composition
-    problem is left to Hydra's own report."""
+    A multirun (`-m`, attnzoo-sweep's `hydra.searchpath` + `+sweeps=NAME`, Optuna's search ranges) is
+    checked as its first job would be composed. Any other composition problem is left to Hydra's report."""
     import difflib
 
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import ConfigCompositionException
 
-    if any(a.startswith("-") for a in args) or any(a.startswith("hydra.searchpath") for a in args):
-        return None  # multirun, --help, --cfg, shell completion (-sc install=bash): Hydra's own business
-    overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None  # --help, --cfg, shell completion (-sc install=bash): Hydra's own business
+    overrides = [a for a in args if "=" in a and (a.startswith("hydra.searchpath=")  # attnzoo-sweep's sweeps/
+                                                  or not a.startswith(("-", "hydra.", "hydra/")))]
+    one_job = {a: first_job_override(a) for a in overrides}  # each override as the first job sees it
+    if None in one_job.values():
+        return None
 
     def composed(ov):
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                return compose(config_name="train", overrides=ov)
+                return compose(config_name="train", overrides=[one_job[a] for a in ov])
         finally:
             GlobalHydra.instance().clear()
 
@@ -589,7 +610,7 @@ def check_unknown_keys(args: list[str]) -> str | None:
         return None
     except ConfigCompositionException as e:
         bad = next((a for a in overrides if f"'{a.split('=', 1)[0]}'" in str(e)), None)
-        if bad is None or bad.startswith(("+", "~")) or "/" in bad.split("=", 1)[0]:
+        if bad is None or bad.startswith(("+", "~", "hydra.")) or "/" in bad.split("=", 1)[0]:
             return None
     except Exception:  # noqa: BLE001 - anything else: Hydra reports it as usual
         return None
