@@ -75,3 +75,21 @@ def fp32_atol(model, forward, floor: float = 1e-5, factor: float = FP32_FACTOR):
         out64 = forward(copy.deepcopy(model).double())
     gap = (out32.double() - out64).abs().max().item()
     return out32, max(floor, factor * gap)
+
+
+def assert_learns(run_dir, *, falls: bool = True, below_uniform: bool = True) -> None:
+    """Value checks for a short end-to-end run instead of "the loss is finite": the validation loss (read from the
+    run's metrics.csv) falls from its first evaluation to its last (`falls`, needs two evaluations) and ends below
+    ln(V), the loss of predicting every token uniformly, which a random init starts near (`below_uniform`)."""
+    import csv
+    import json
+    import math
+
+    with open(Path(run_dir) / "csv" / "metrics.csv", newline="") as f:
+        val = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    assert val and all(math.isfinite(v) for v in val), val
+    if falls:
+        assert len(set(val)) >= 2 and val[-1] < val[0], val
+    if below_uniform:
+        vocab = json.loads((Path(run_dir) / "summary.json").read_text())["model"]["vocab_size"]
+        assert val[-1] < math.log(vocab), (val, vocab)

@@ -386,10 +386,14 @@ def test_tiny_transformer_learns_reversal():
                                        ["model=encoder", "data=text", "data.max_chars=300000", "data.vocab_size=512"]],
                          ids=["encdec-reversal", "encdec-addition", "encoder-text"])
 def test_presets_train_from_the_cli_config(make_cfg, overrides):
-    import math
-
     from attnzoo.train import train
 
-    metrics = train(make_cfg(*overrides, "debug=smoke"))
-    assert math.isfinite(metrics["val/loss"]) and 0.0 <= metrics["val/acc"] <= 1.0
+    from tests.conftest import assert_learns
+
+    cfg = make_cfg(*overrides, "debug=smoke")
+    metrics = train(cfg)
+    assert 0.0 <= metrics["val/acc"] <= 1.0
+    # the seq2seq presets' validation loss falls over the smoke run's evaluations; the MLM encoder's 6 steps move
+    # it by less than its evaluation-to-evaluation noise, so only its values are checked (finite, every one)
+    assert_learns(cfg.paths.output_dir, falls=overrides[0] == "model=encdec", below_uniform=False)
     assert metrics["params/total"] > 0

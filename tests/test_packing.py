@@ -220,9 +220,12 @@ FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=64", "d
 def test_training_on_documents_end_to_end(layout, tmp_path):
     import json
 
-    metrics = train(compose_cfg(FAST + [layout, "model=hybrid_gdn"], tmp_path / "run"))
+    from tests.conftest import assert_learns
+
+    train(compose_cfg(FAST + [layout, "model=hybrid_gdn"], tmp_path / "run"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["data"]["documents"] > 1 and torch.isfinite(torch.tensor(metrics["val/loss"]))
+    assert summary["data"]["documents"] > 1
+    assert_learns(tmp_path / "run", falls=False)  # 3 steps validate once: below the uniform loss ln(V)
 
 
 @pytest.mark.parametrize("overrides, match", [
