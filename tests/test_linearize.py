@@ -71,7 +71,7 @@ def test_linearize_gated_deltanet_matches_its_teacher(teacher, tmp_path, monkeyp
     s1, s2 = 30, 60
     metrics = T.train(compose_cfg(_lin(src, "linearize.mixer=gated_deltanet", f"linearize.stage1_steps={s1}",
                                        f"linearize.stage2_steps={s2}", "linearize.stage1_lr=1e-2",
-                                       "trainer.val_check_interval=30"), out))
+                                       "trainer.val_check_interval=30", "trainer.max_steps=null"), out))
     lit, s0, t0 = built["lit"], built["student"], built["teacher"]
     assert [m.name for m in lit.model.layer_mixers] == ["gated_deltanet"] * 2 and lit.layers == [0, 1]
 
@@ -166,7 +166,10 @@ def test_linearize_plans_and_refusals(teacher, tmp_path):
     p = planned("linearize.layers=[1]", "linearize.mixer=deltanet")
     assert list(p.model.pattern) == ["gqa", "deltanet"] and p.model.name == "linearize"
     assert p.model.mixers.deltanet.n_heads == 4 and p.model.mixers.deltanet.head_dim == 16
-    assert p.trainer.max_steps == 200  # stage1_steps + stage2_steps
+    # debug=smoke caps every experiment: its 6 steps, the two stages (100 + 100) shortened in proportion
+    assert (p.trainer.max_steps, p.linearize.stage1_steps, p.linearize.stage2_steps) == (6, 3, 3)
+    p = planned("linearize.layers=[1]", "linearize.mixer=deltanet", "trainer.max_steps=null")
+    assert (p.trainer.max_steps, p.linearize.stage1_steps, p.linearize.stage2_steps) == (200, 100, 100)
     p = planned("model.pattern=[gqa,linear_attention]", overrides=["model.pattern=[gqa,linear_attention]"])
     assert list(p.model.pattern) == ["gqa", "linear_attention"]
     assert apply_linearize(hf.apply_init_from(p, overrides=[])) .model == p.model  # a planned run is kept as is
@@ -201,3 +204,16 @@ def test_linearize_resumes_with_the_teacher_read_again(teacher, tmp_path):
     again = train(compose_cfg(base + ["linearize.stage2_steps=4", "ckpt_path=last"], out))
     assert json.loads((out / "summary.json").read_text())["global_step"] == 6
     assert again["val/loss_teacher"] == first["val/loss_teacher"] and again["val/loss"] != first["val/loss"]
+
+
+def test_a_later_max_steps_caps_both_stages_in_proportion():
+    """debug=smoke (or trainer.max_steps=N) after experiment=linearize: the run stops there, both stages shortened
+    in proportion, each non-empty stage keeping a step; stages that already fit are kept as given."""
+    from attnzoo.linearize import fit_stages
+
+    assert fit_stages(100, 100, None) == (100, 100)
+    assert fit_stages(100, 100, 6) == (3, 3)
+    assert fit_stages(30, 60, 6) == (2, 4)
+    assert fit_stages(0, 100, 6) == (0, 6) and fit_stages(100, 0, 6) == (6, 0)
+    assert fit_stages(1, 1000, 5) == (1, 4)  # round(5/1001) = 0, but stage 1 had steps
+    assert fit_stages(2, 2, 6) == (2, 2)  # fits: unchanged (no stretching)

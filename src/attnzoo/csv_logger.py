@@ -128,12 +128,36 @@ HPARAM_METRICS = ("val/acc", "val/loss", "val/ppl", "train/loss", "perf/tokens_p
                   "cache/bytes_per_token", "cache/bytes_at_ctx", "params/total", "perf/decode_tokens_per_sec")
 
 
+# after a run's own overrides, the fields every run's HParams row shows (those present in its config)
+KEY_HPARAMS = ("model.name", "model.pattern", "model.mixer.name", "model.d_model", "model.n_layers", "model.n_heads",
+               "model.n_kv_heads", "model.ffn.name", "model.position.name", "data.name", "data.seq_len",
+               "data.batch_size", "optim.lr", "scheduler.name", "trainer.max_steps", "trainer.precision", "seed")
+_NOT_HPARAMS = ("hydra", "paths", "ckpt_path", "sweeps", "logger")  # where a run writes, not what it is
+
+
+def run_hparams(flat_config: dict, overrides: list[str]) -> dict:
+    """The HParams tab's columns for one run, in order: the run's own overrides (under a sweep: the swept keys,
+    the same in every job, so the columns that vary come first; `model/mixer=gqa` as `model/mixer: gqa`), then
+    KEY_HPARAMS. Not the whole config: its ~100 constant columns, `callbacks.*` first, buried the few that vary
+    (the whole config stays in hparams.yaml and summary.json)."""
+    params: dict = {}
+    for override in overrides:
+        key, _, value = str(override).lstrip("+~").partition("=")
+        if key.split(".")[0].split("/")[0] in _NOT_HPARAMS:
+            continue
+        params[key] = flat_config.get(key, value)
+    for key in KEY_HPARAMS:
+        if key in flat_config:
+            params.setdefault(key, flat_config[key])
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in params.items()}
+
+
 class RunTensorBoardLogger(TensorBoardLogger):
-    """TensorBoard with the HParams tab filled: `log_final(flat_config, metrics, step)` writes the whole
-    flattened config as hyper-parameters and the final metrics (as `hparams/<name>`), so the runs of a sweep
-    can be sorted and filtered by any field. One event file per run: Lightning closes the writer at the end
-    of `fit`, and the final validation and the hparams would each open another; here `finalize` flushes and
-    `log_final` closes."""
+    """TensorBoard with the HParams tab filled: `log_final(hparams, metrics, step)` declares the experiment, its
+    hyper-parameters (`run_hparams`: the run's overrides first, then the key fields) and its metrics, the final
+    values as `hparams/<name>` (HPARAM_METRICS), so the runs of a sweep are compared on what was swept. One
+    event file per run: Lightning closes the writer at the end of `fit`, and the final validation and the
+    hparams would each open another; here `finalize` flushes and `log_final` closes."""
 
     def finalize(self, status: str) -> None:
         if self._experiment is not None:
@@ -141,10 +165,9 @@ class RunTensorBoardLogger(TensorBoardLogger):
         if status == "success":
             self.save()
 
-    def log_final(self, flat_config: dict, metrics: dict, step: int) -> None:
+    def log_final(self, hparams: dict, metrics: dict, step: int) -> None:
         final = {f"hparams/{k}": float(metrics[k]) for k in HPARAM_METRICS if k in metrics}
-        params = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat_config.items()}
-        self.log_hyperparams(params, metrics=final, step=step)
+        self.log_hyperparams(hparams, metrics=final, step=step)
         if self._experiment is not None:
             self._experiment.flush()
             self._experiment.close()

@@ -151,7 +151,8 @@ def student_section(section: dict, opts: LinearizeConfig) -> dict:
 def apply_linearize(cfg: DictConfig) -> DictConfig:
     """experiment=linearize: the run's model section becomes the student's (a copy of `cfg`; no `linearize`
     section: `cfg` itself). Needs model.init_from (applied first, by attnzoo.hf.apply_init_from); sets
-    trainer.max_steps = stage1_steps + stage2_steps; refuses shapes that cannot be copied when
+    trainer.max_steps = stage1_steps + stage2_steps (a smaller trainer.max_steps, e.g. debug=smoke's, caps
+    the run: see fit_stages); refuses shapes that cannot be copied when
     linearize.copy_weights=required."""
     from omegaconf import open_dict
 
@@ -167,11 +168,27 @@ def apply_linearize(cfg: DictConfig) -> DictConfig:
         section = student_section(section, opts)
     if opts.copy_weights == "required":
         check_copyable(section)
+    s1, s2 = fit_stages(opts.stage1_steps, opts.stage2_steps, OmegaConf.select(cfg, "trainer.max_steps"))
     out = cfg.copy()
     with open_dict(out):
         out.model = OmegaConf.create(section)
-        out.trainer.max_steps = opts.stage1_steps + opts.stage2_steps
+        out.linearize.stage1_steps, out.linearize.stage2_steps = s1, s2
+        out.trainer.max_steps = s1 + s2
     return out
+
+
+def fit_stages(stage1: int, stage2: int, max_steps: int | None) -> tuple[int, int]:
+    """The two stages' steps in a run of at most `max_steps` (None: no cap, the run is stage1 + stage2 long).
+    A cap set after the experiment (debug=smoke's few steps, or trainer.max_steps=N) shortens both stages in
+    proportion, each stage that had steps keeping at least one; a cap the stages already fit changes nothing.
+    Invalid values are left for validate() to refuse."""
+    total = stage1 + stage2
+    if max_steps is None or not 0 < max_steps < total or stage1 < 0 or stage2 < 0:
+        return stage1, stage2
+    s1 = round(max_steps * stage1 / total)
+    if stage1 and stage2 and max_steps >= 2:
+        s1 = min(max(s1, 1), max_steps - 1)
+    return s1, max_steps - s1
 
 
 # ----------------------------------------------------------------------------- initialising from attention

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,9 +36,15 @@ def run_label(max_len: int = 120) -> str:
     except Exception:  # noqa: BLE001 - not under Hydra
         return ""
     keep = [o for o in task if not o.startswith(("hydra.", "paths.", "+sweeps=", "sweeps=", "ckpt_path=", "logger="))]
-    label = ",".join(o.lstrip("+~").split("/")[-1] if "/" in o.split("=", 1)[0] else o.lstrip("+~").split(".")[-1]
-                     for o in keep)
-    return label.replace("/", "-")[:max_len]
+    return ",".join(short_override(o) for o in keep)[:max_len]
+
+
+def short_override(override: str) -> str:
+    """`optim.lr=0.003` -> `lr=0.003`, `model/mixer=gqa` -> `mixer=gqa`: the key's last part, the value as
+    given (only the characters a folder name cannot hold, `/` and NUL, become `-`)."""
+    key, eq, value = override.lstrip("+~").partition("=")
+    key = key.split("/")[-1].split(".")[-1]
+    return f"{key}{eq}{value}".replace("/", "-").replace("\0", "-")
 
 
 def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int | None = None) -> list:
@@ -182,13 +189,33 @@ def kv_heads_of(model) -> int | None:
     return next((m.n_kv_heads for m in getattr(model, "mixers", []) if hasattr(m, "n_kv_heads")), None)
 
 
+def heads_of(model) -> str:
+    """The layers' heads as built: `4/2kv` when every layer that has heads has these, else per layer kind
+    (`gated_deltanet:4,gqa:4/1kv`); layers without heads are left out ('' when none has any). Attention:
+    query heads / KV heads; recurrent mixers: q/k heads, and `/Nv` when the value heads differ."""
+    per_kind: dict[str, str] = {}
+    for m in getattr(model, "mixers", []):
+        shape = m.layer_shape() if hasattr(m, "layer_shape") else {}
+        if "n_heads" in shape:
+            heads = f"{shape['n_heads']}" + (f"/{shape['n_kv_heads']}kv" if "n_kv_heads" in shape else "")
+        elif "n_qk_heads" in shape:
+            v = shape.get("n_v_heads", shape["n_qk_heads"])
+            heads = f"{shape['n_qk_heads']}" + (f"/{v}v" if v != shape["n_qk_heads"] else "")
+        else:
+            continue
+        per_kind.setdefault(f"{shape['mixer']}:{heads}", heads)
+    if len(set(per_kind.values())) == 1:
+        return next(iter(per_kind.values()))
+    return ",".join(per_kind)
+
+
 def describe_model(model) -> str:
     cfg = model.cfg
     kinds = [m.name for m in model.layer_mixers]
     mix = kinds[0] if len(set(kinds)) == 1 else "[" + ",".join(kinds) + "]"
-    kv = kv_heads_of(model)
+    heads = heads_of(model)
     return (
-        f"{mix} x{cfg.n_layers} d_model={cfg.d_model} heads={cfg.n_heads}" + (f"/{kv}kv" if kv else "") + f" ffn={cfg.ffn.name} "
+        f"{mix} x{cfg.n_layers} d_model={cfg.d_model}" + (f" heads={heads}" if heads else "") + f" ffn={cfg.ffn.name} "
         f"pos={cfg.position.name} norm={cfg.norm.name}({cfg.norm_position}) vocab={cfg.vocab_size}"
     )
 
@@ -208,9 +235,19 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     check_devices_present(parts["run"].trainer)
     check_kernels_present(parts["model"], parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
+    from .console import ConsoleLog
+
+    console = ConsoleLog(out / "train.log") if is_rank_zero() else contextlib.nullcontext()
+
+    def accepted() -> None:  # train.log: what the run printed, from its start; nothing for a refused run
+        if on_accept is not None:
+            on_accept()
+        if isinstance(console, ConsoleLog):
+            console.start()
+
     try:
-        with run_dir_lock(out):  # one live run per run dir (refused in one line before anything is written)
-            return _train(cfg, parts, out, t_start, on_accept)
+        with run_dir_lock(out), console:  # one live run per run dir (refused in one line before anything is written)
+            return _train(cfg, parts, out, t_start, accepted)
     except OSError as e:
         import errno
 
@@ -330,13 +367,16 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         callbacks.append(EarlyStopping(monitor=es.get("monitor", monitor), mode=es.get("mode", "max"),
                                        stopping_threshold=es.get("threshold"), patience=es.get("patience", 10**9),
                                        check_on_train_epoch_end=False))
-    if run.trainer.enable_progress_bar:
-        from lightning.pytorch.callbacks import TQDMProgressBar
+    from .console import RunHeader, RunProgressBar, quiet_lightning
 
-        callbacks.append(TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
+    callbacks.append(RunHeader())  # in place of Lightning's module table (its FLOPs column reads 0)
+    if run.trainer.enable_progress_bar:  # steps to max_steps, with the run's ETA
+        callbacks.append(RunProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
+    quiet_lightning()
     trainer_kwargs = run.trainer.lightning_kwargs()
     trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out),
-                        plugins=[AtomicCheckpointIO()], use_distributed_sampler=False)  # our sampler shards
+                        plugins=[AtomicCheckpointIO()], use_distributed_sampler=False,  # our sampler shards
+                        enable_model_summary=False)
     return trainer, throughput
 
 
@@ -446,13 +486,13 @@ def finish(trainer, out: Path, summary: dict, loggers: list) -> None:
     """Rank 0 writes summary.json, logs the end-of-run metrics, closes the loggers and prints the summary."""
     if not trainer.is_global_zero:
         return
-    from .csv_logger import RunTensorBoardLogger
+    from .csv_logger import RunTensorBoardLogger, run_hparams
 
     metrics = summary["metrics"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     for lg in loggers:
-        if isinstance(lg, RunTensorBoardLogger):  # the HParams tab: the flattened config and the final metrics
-            lg.log_final(flatten(summary["config"]), metrics, trainer.global_step)
+        if isinstance(lg, RunTensorBoardLogger):  # the HParams tab: the run's overrides, key fields, final metrics
+            lg.log_final(run_hparams(flatten(summary["config"]), run_overrides(out)), metrics, trainer.global_step)
             continue
         lg.log_metrics({k: v for k, v in metrics.items() if k.startswith(("cache/", "params/", "perf/decode"))
                         or k.endswith(("_kvq", "_kvq_delta"))}, step=trainer.global_step)
@@ -460,6 +500,14 @@ def finish(trainer, out: Path, summary: dict, loggers: list) -> None:
         if type(lg).__name__ == "WandbLogger":  # close this job's run so the next job gets its own
             lg.experiment.finish()
     print(format_summary(summary), flush=True)
+
+
+def run_overrides(out: Path) -> list[str]:
+    """The run's command-line overrides, as recorded in <out>/.hydra/overrides.yaml ([] when not run by the CLI)."""
+    try:
+        return [str(o) for o in OmegaConf.load(out / ".hydra" / "overrides.yaml") or []]
+    except (OSError, ValueError):
+        return []
 
 
 def _previous_status(out: Path) -> str | None:
@@ -491,6 +539,9 @@ def _run_job(cfg: DictConfig) -> float | None:
                 cfg.ckpt_path = "last"
             print(f"attnzoo: resuming {out} from its last.ckpt", flush=True)
     out = Path(cfg.paths.output_dir)
+    from .console import is_new_run_dir, remove_new_run_dir
+
+    new_dir = not multirun and is_new_run_dir(out)  # Hydra made it for this run: a refusal leaves nothing
     if (out / ".hydra").exists():  # an earlier run's dir: its record is rewritten only once this run is accepted
         on_accept = lambda: save_hydra_record(cfg, out)  # noqa: E731
     else:  # a new dir: recorded now, so a job refused in a sweep still shows its overrides in the report
@@ -500,6 +551,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         metrics = train(cfg, on_accept=on_accept)
     except (ConfigError, FileNotFoundError) as e:
         if not multirun:
+            if new_dir:
+                remove_new_run_dir(out)
             print(f"attnzoo: error: {e}", file=sys.stderr)
             sys.exit(2)
         _record_failure(cfg, e)

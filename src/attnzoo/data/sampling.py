@@ -2,8 +2,9 @@
 
 Epoch e's order is `randperm(n, seed + e)`; rank r takes every world_size-th index of it (equal
 shares, tail dropped). The position (epoch, batches done) is recorded by `DataPositionCallback`
-after every training batch and saved in the checkpoint through the datamodule's `state_dict`, so a
-resumed run continues with the very next batch the interrupted run would have seen.
+after every training batch and saved in the checkpoint as the training loader's state (`ResumableDataLoader`,
+stateful for Lightning) and the datamodule's, so a resumed run continues with the very next batch the
+interrupted run would have seen.
 """
 from __future__ import annotations
 
@@ -66,6 +67,23 @@ class ResumableShuffleSampler(Sampler[int]):
         return self.n // _rank_world()[1]
 
 
+class ResumableDataLoader(DataLoader):
+    """The training DataLoader, stateful as Lightning understands it (`state_dict` / `load_state_dict`: the fit
+    loop saves it in the checkpoint and restores it on resume, and knows a mid-epoch resume is exact). Its state
+    is the position the training loop has consumed, (epoch, batches done in it), recorded after every batch by
+    DataPositionCallback — not how far the sampler has run ahead (the loader's workers and Lightning's fetcher
+    prefetch batches); loading it makes the sampler continue with the next batch."""
+
+    position: dict | None = None
+
+    def state_dict(self) -> dict:
+        return dict(self.position or {"epoch": 0, "batches": 0})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = {"epoch": int(state["epoch"]), "batches": int(state["batches"])}
+        self.sampler.resume(self.position["epoch"], self.position["batches"])
+
+
 class ResumableDataMixin:
     """For LightningDataModules: `self.position` is saved in checkpoints and re-applied on resume. The loaders
     read `self.train_set` / `self.val_set`, `self.cfg.batch_size` / `num_workers`, `self.seed` and the class's
@@ -86,8 +104,8 @@ class ResumableDataMixin:
     def train_loader(self, dataset, batch_size: int, seed: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
         """Shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch."""
         sampler = self.make_train_sampler(len(dataset), seed, batch_size)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
-                          collate_fn=collate_fn, generator=own_generator(seed))
+        return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                                   num_workers=num_workers, collate_fn=collate_fn, generator=own_generator(seed))
 
     @staticmethod
     def val_loader(dataset, batch_size: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
@@ -115,14 +133,21 @@ class ResumableDataMixin:
 
 
 class DataPositionCallback(L.Callback):
-    """Records (epoch, batches done in it) after every training batch, before checkpoints are written."""
+    """Records (epoch, batches done in it) after every training batch, before checkpoints are written: on the
+    training loader (its state in the checkpoint's fit loop) and on the datamodule (its own checkpoint entry,
+    which checkpoints written before the loader was stateful carry alone)."""
+
+    @staticmethod
+    def _record(trainer, position: dict) -> None:
+        dm = trainer.datamodule
+        if isinstance(dm, ResumableDataMixin):
+            dm.position = position
+        loader = trainer.train_dataloader
+        if isinstance(loader, ResumableDataLoader):
+            loader.position = dict(position)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        dm = trainer.datamodule
-        if isinstance(dm, ResumableDataMixin):
-            dm.position = {"epoch": trainer.current_epoch, "batches": batch_idx + 1}
+        self._record(trainer, {"epoch": trainer.current_epoch, "batches": batch_idx + 1})
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        dm = trainer.datamodule
-        if isinstance(dm, ResumableDataMixin):
-            dm.position = {"epoch": trainer.current_epoch + 1, "batches": 0}
+        self._record(trainer, {"epoch": trainer.current_epoch + 1, "batches": 0})
