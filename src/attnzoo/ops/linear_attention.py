@@ -55,7 +55,9 @@ def chunk_linear_attention(
     """Chunkwise form, any T: within a chunk a causal (Q K^T) V; across chunks the state entering chunk i
     is S_0 + sum_{j<i} K_j^T V_j, an exclusive cumulative sum, so there is no loop at all.
     `resets` (B, N chunks) bool: the state is zero entering the chunks marked True (then the sum runs from the
-    last reset, and S_0 counts only before the first)."""
+    last reset, and S_0 counts only before the first). The segmented sum adds only its own segment's chunks (a
+    0/1 segment matrix times the chunk contributions), never a global prefix sum minus its value at the reset:
+    a packed document's outputs do not depend on an earlier document's numbers, not even by rounding."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     scale = Dk**-0.5 if scale is None else scale
@@ -69,12 +71,16 @@ def chunk_linear_attention(
     v = v.reshape(B, H, N, C, Dv)
     kv = k.transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's contribution
     S0 = kv.new_zeros(B, H, 1, Dk, Dv) if initial_state is None else initial_state[:, :, None].to(kv.dtype)
-    starts = torch.cat([S0, S0 + kv.cumsum(2)], dim=2)  # state before chunk 0..N
-    if resets is not None:  # segmented: subtract the prefix sum at each chunk's last reset
+    if resets is None:
+        starts = torch.cat([S0, S0 + kv.cumsum(2)], dim=2)  # state before chunk 0..N
+    else:  # segmented: the state before chunk i sums chunks last(i) .. i-1, last(i) = its last reset (or 0)
         idx = torch.arange(N + 1, device=kv.device)
         marks = torch.cat([resets, resets.new_zeros(B, 1)], dim=1)  # (B, N + 1): a reset entering chunk i
         last = torch.where(marks, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, N + 1)
-        base = starts.gather(2, last[:, None, :, None, None].expand_as(starts).contiguous())
-        starts = starts - torch.where(marks.cumsum(1)[:, None, :, None, None] > 0, base, torch.zeros_like(base))
+        j = idx[:N]
+        segment = (j[None, None, :] >= last[:, :, None]) & (j[None, None, :] < idx[None, :, None])  # (B, N + 1, N)
+        starts = torch.einsum("bij,bhjkv->bhikv", segment.to(kv.dtype), kv)  # other segments' chunks times exact 0
+        before_any = marks.cumsum(1)[:, None, :, None, None] == 0  # S_0 only up to the first reset
+        starts = starts + torch.where(before_any, S0, torch.zeros_like(S0))
     o = q @ starts[:, :, :-1] + (q @ k.transpose(-1, -2)).tril() @ v
     return o.reshape(B, H, N * C, Dv)[:, :, :T], starts[:, :, -1]
