@@ -200,3 +200,18 @@ def test_matches_weights_copied_qwen3_next_gated_deltanet():
     # fp32 against transformers' fp32: rounding grows with the values, so a relative term too
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("feature_map,normalize", [("elu", True), ("elu", False), ("taylor2", True)])
+def test_linear_attention_cache_is_the_readme_formula(feature_map, normalize):
+    """README's mixer table: state n_heads · d_φ · (d_v + 1) values per layer (the + 1 is the normaliser's
+    key-sum column, present only with normalize=true), d_φ = d_k (1 + d_k + d_k² for taylor2), fp32, no conv."""
+    m = DecoderLM(tiny_model_cfg({"name": "linear_attention", "feature_map": feature_map, "normalize": normalize,
+                                  "feature_dim": 4}), vocab_size=16)
+    layer, h, dk, dv = m.mixers[0], 4, 4, 8  # tiny: 4 heads, head_dim 32 / 4 = 8
+    d_phi = 1 + dk + dk * dk if feature_map == "taylor2" else dk
+    assert layer.cache_bytes(100) == h * d_phi * (dv + int(normalize)) * 4
+    cache = m.new_cache(1, 5)
+    with torch.no_grad():
+        m(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    assert cache.nbytes() == 2 * layer.cache_bytes(5)
