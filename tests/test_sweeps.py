@@ -324,7 +324,8 @@ def attnzoo_model(summary: dict):
 
 def test_tensorboard_hparams_list_the_sweeps_jobs(tmp_path):
     """logger=tensorboard: one event file per job, under tensorboard/<the job's overrides>, holding the
-    HParams plugin's session (the whole flattened config) and the final metrics as hparams/<name>."""
+    HParams plugin's experiment (the job's overrides first, the swept key among them, then key fields; no
+    constant callbacks.* columns), its session and the final metrics as hparams/<name>."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -342,9 +343,12 @@ def test_tensorboard_hparams_list_the_sweeps_jobs(tmp_path):
                     data = plugin_data_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content)
                     if data.HasField("session_start_info"):
                         hparams = {k: val for k, val in data.session_start_info.hparams.items()}
+                    if data.HasField("experiment"):
+                        columns = [h.name for h in data.experiment.hparam_infos]
                 else:
                     scalars.add(v.tag)
         assert hparams["model.mixer.window"].number_value == window and "optim.lr" in hparams
+        assert "model.mixer.window" in columns[:8] and not any(c.startswith("callbacks.") for c in columns), columns
         assert {"hparams/val/acc", "hparams/cache/bytes_per_token", "hparams/params/total"} <= scalars
         assert "train/loss" in scalars and "val/acc" in scalars
 
