@@ -58,7 +58,7 @@ DECODED = {
     "gqa+gated": {"name": "gqa", "qk_norm": True, "output_gate": True},
     "sliding_window-W8": {"name": "sliding_window", "window": 8},
     "sliding_window-W8-sinks3": {"name": "sliding_window", "window": 8, "sink_tokens": 3},
-    "sliding_window-W8-sinks12": {"name": "sliding_window", "window": 8, "sink_tokens": 12},
+    "sliding_window-W8-sinks8": {"name": "sliding_window", "window": 8, "sink_tokens": 8},  # the most allowed
     "mla": {"name": "mla"},
 }
 

@@ -4,6 +4,7 @@ channel, values per token), measured == analytic bytes, decode within a derived 
 token-by-token decoding, the end-of-run metrics, attnzoo-eval / attnzoo-generate, and bad options refused."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -349,7 +350,77 @@ def test_bad_options_are_refused_in_one_line(overrides, field, phrase, tmp_path)
     assert "\n" not in msg and msg.startswith(field) and phrase in msg, msg
 
 
-def test_int4_with_odd_head_dim_is_fine_where_nothing_is_quantized(tmp_path):
-    validate(compose_cfg(["debug=smoke", "model.head_dim=7", "inference.kv_cache_dtype=int8"], tmp_path))
-    validate(compose_cfg(["debug=smoke", "model/mixer=sliding_window", "model.head_dim=7",
-                          "inference.kv_cache_dtype=int4"], tmp_path))
+def test_odd_head_dim_is_fine_with_int8_and_a_model_without_kv_layers_is_refused(tmp_path):
+    validate(compose_cfg(["debug=smoke", "model.head_dim=7", "inference.kv_cache_dtype=int8", "inference.kv_residual=8",
+                          "inference.kv_group_size=8"], tmp_path))
+    # no layer takes the format: refused as such (before: accepted, and the run reported a "+0.0000" cost)
+    with pytest.raises(ConfigError, match=r"^inference.kv_cache_dtype: int4 stores the KV caches of mha / gqa / mqa "
+                                          r"layers, and none of this model's \d+ layers is one \(sliding_window: own"):
+        validate(compose_cfg(["debug=smoke", "model/mixer=sliding_window", "model.head_dim=7",
+                              "inference.kv_cache_dtype=int4"], tmp_path))
+
+
+def test_coverage_says_what_is_and_is_not_quantized():
+    from attnzoo.kv_quant import coverage
+
+    hybrid = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "gqa"]
+    assert coverage(KVFormat("fp32"), hybrid, 64) == ""
+    assert coverage(KVFormat("int8", 8, 8), hybrid, 64) == (
+        "int8 keys/values in layers 3 of 4 (gqa); not quantized: 0,1,2 (gated_deltanet: own caches); at 64 tokens "
+        "the first 56 held quantized, the last 8 in full precision")
+    assert coverage(KVFormat("bf16"), ["gqa", "mqa"], 64) == "bf16 keys/values in all 2 layers (gqa/mqa)"
+    assert coverage(KVFormat("int4", 8, 8), ["gqa"], None) == "int4 keys/values in all 1 layers (gqa)"  # generation
+    # R + G = 16 tokens in full precision: a 17th token is the first to read a quantized key
+    assert "the first 8 held quantized" in coverage(KVFormat("int4", 8, 8), ["gqa"], 17)
+    with pytest.raises(ConfigError, match=r"^--kv-residual: 8 full-precision tokens \(\+ a group of 8\) cover the "
+                                          r"whole 16-token sequence \(x\): .*allowed: kv-residual \+ kv-group-size < 16$"):
+        coverage(KVFormat("int4", 8, 8), ["gqa"], 16, fields=("--kv-cache-dtype", "--kv-group-size", "--kv-residual"),
+                 seq_field="x")
+
+
+def test_hybrid_run_summary_names_the_quantized_layers(tmp_path, capsys):
+    """gated_deltanet + gqa with an int8 cache: summary.json and the printed summary say which layer was
+    quantized and how many tokens, and the cost is that of a cache that really changed."""
+    from attnzoo.train import train
+
+    out = tmp_path / "run"
+    metrics = train(compose_cfg(["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "model.n_layers=2",
+                                 "model.pattern=[gated_deltanet,gqa]", "inference.kv_cache_dtype=int8",
+                                 "inference.kv_group_size=4", "inference.kv_residual=4"], out))
+    said = json.loads((out / "summary.json").read_text())["kv_quant"]
+    assert said == ("int8 keys/values in layers 1 of 2 (gqa); not quantized: 0 (gated_deltanet: own caches); at 32 "
+                    "tokens the first 28 held quantized, the last 4 in full precision")
+    assert said in capsys.readouterr().out
+    assert metrics["val/loss_kvq_delta"] != 0
+
+
+def test_eval_says_how_many_batches_it_scored_against_the_runs_limit(int4_run, tmp_path, capsys):
+    """attnzoo-eval scores the whole split by default; the run's validation scored limit_val_batches=2
+    (debug=smoke): the output says both, and --max-batches 2 matches the run."""
+    from attnzoo.inference import eval_main
+
+    out, metrics = int4_run
+    capsys.readouterr()
+    eval_main([str(out), "--out", str(tmp_path / "all.json")])
+    printed = capsys.readouterr().out
+    res = json.loads((tmp_path / "all.json").read_text())
+    total = res["scored"]["of"]
+    assert total > 2 and res["scored"]["batches"] == total and res["scored"]["run_batches"] == 2
+    assert (f"scored {total} of {total} batches of the validation split; the run's own validation scored 2 "
+            f"(trainer.limit_val_batches=2), so val/loss can differ from its summary's; --max-batches 2 matches it "
+            f"(tokens {int(res['metrics']['tokens']):,})") in printed
+    assert re.search(r"kv-quant: int4 keys/values in all \d+ layers \(gqa\); at 64 tokens the first 56 held quantized, "
+                     r"the last 8 in full precision", printed), printed
+    eval_main([str(out), "--max-batches", "2", "--out", str(tmp_path / "two.json")])
+    printed = capsys.readouterr().out
+    assert f"scored 2 of {total} batches of the validation split; the run's own validation scored 2 " in printed
+    assert "differ" not in printed
+    assert json.loads((tmp_path / "two.json").read_text())["metrics"]["val/loss"] == pytest.approx(metrics["val/loss"],
+                                                                                                  rel=1e-5)
+    with pytest.raises(SystemExit) as e:  # the run's 64 tokens inside R + G: refused before the evaluation
+        eval_main([str(out), "--kv-residual", "56", "--out", str(tmp_path / "none.json")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == ("attnzoo-eval: error: --kv-residual: 56 full-precision tokens (+ a group of 8) "
+                                         "cover the whole 64-token sequence (the run's data.seq_len): no token would "
+                                         "read a quantized key or value; allowed: kv-residual + kv-group-size < 64")
+    assert not (tmp_path / "none.json").exists()

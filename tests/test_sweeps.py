@@ -221,7 +221,10 @@ def test_budget_picks_the_closest_width_not_the_next_one_up(ffn, frac):
     three quarters: w + 1 step is closest, rounding down would give w."""
     key = "d_ff" if ffn != "none" else "head_dim"
     step = 1 if ffn != "none" else 2
-    at = lambda w: count_params({**tiny(ffn), **({key: w} if key == "head_dim" else {"ffn": {"name": ffn, key: w}})}, 256)  # noqa: E731
+
+    def at(w):  # parameters at width w
+        return count_params({**tiny(ffn), **({key: w} if key == "head_dim" else {"ffn": {"name": ffn, key: w}})}, 256)
+
     w = 40 * step
     target = round(at(w) + frac * (at(w + step) - at(w)))
     cfg, info = match_budget(tiny(ffn), 256, target)

@@ -108,23 +108,27 @@ def kv_format_args(ap: argparse.ArgumentParser) -> None:
                     "inference.kv_residual)")
 
 
+KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
+
+
 def kv_format_of(run: LoadedRun, args: argparse.Namespace):
     """The KV-cache format from the command line, else the run's `inference` section, else the defaults;
-    checked (one-line ConfigError naming the flag). Not fp32: decoder LMs only."""
+    checked (one-line ConfigError naming the flag). Not fp32: decoder LMs with an mha / gqa / mqa layer."""
     from .config import InferenceConfig
     from .families import family_of
-    from .kv_quant import KVFormat, quantizes
+    from .kv_quant import KVFormat, coverage, quantizes
 
     own = InferenceConfig(**(run.config.get("inference") or {}))  # a run from before the section: the defaults
     fmt = KVFormat(args.kv_cache_dtype or own.kv_cache_dtype,
                    own.kv_group_size if args.kv_group_size is None else args.kv_group_size,
                    own.kv_residual if args.kv_residual is None else args.kv_residual)
     decoder = family_of(run.config["model"]).decoder_only
-    fmt.check(head_dims=[m.head_dim for m in run.model.mixers if quantizes(m)] if decoder else [],
-              fields=("--kv-cache-dtype", "--kv-group-size", "--kv-residual"))
+    fmt.check(head_dims=[m.head_dim for m in run.model.mixers if quantizes(m)] if decoder else [], fields=KV_FLAGS)
     if fmt.dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with this "
                           f"{family_of(run.config['model']).name} model: fp32", field="--kv-cache-dtype")
+    if decoder:  # a layer it applies to (the length is checked where it is known: attnzoo-eval)
+        coverage(fmt, [m.name for m in run.model.layer_mixers], None, fields=KV_FLAGS)
     return fmt
 
 
@@ -290,12 +294,38 @@ def evaluate(run: LoadedRun, loader, max_batches: Optional[int] = None) -> dict:
     return evaluate_loader(run.lit, loader, max_batches)
 
 
+def scored_batches(loader, max_batches: Optional[int], run_trainer: Optional[dict]) -> dict:
+    """How many batches attnzoo-eval scores of `loader` and, for the run's own validation split
+    (`run_trainer`: its trainer section), how many its validation scored (trainer.limit_val_batches, with
+    Lightning's meaning: an int counts batches, a float is a fraction), in one line for the output."""
+    try:
+        total = len(loader)
+    except TypeError:  # an iterable dataset: no length to compare with
+        return {"batches": max_batches, "line": f"scored {max_batches or 'every'} batch(es)"}
+    n = min(total, max_batches) if max_batches else total
+    line = f"scored {n} of {total} batches"
+    out = {"batches": n, "of": total}
+    if run_trainer is not None:
+        limit = run_trainer.get("limit_val_batches", 1.0)
+        limit = 1.0 if limit is None else limit
+        own = min(total, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(total * float(limit))
+        out.update(run_limit_val_batches=limit, run_batches=own)
+        line += f" of the validation split; the run's own validation scored {own} (trainer.limit_val_batches={limit})"
+        if own != n:
+            line += f", so val/loss can differ from its summary's; --max-batches {own} matches it"
+    out["line"] = line
+    return out
+
+
 def eval_main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
     ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
     ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
     ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths (>= 2)")
-    ap.add_argument("--max-batches", type=int, default=None, help=">= 1 (default: every batch)")
+    ap.add_argument("--max-batches", type=int, default=None,
+                    help=">= 1 (default: every batch of the validation split or --text, which can be more than the "
+                         "run's own validation scored: trainer.limit_val_batches, e.g. 2 with debug=smoke; the output "
+                         "says how many batches and tokens it scored and what the run's limit was)")
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -316,6 +346,12 @@ def eval_main(argv: list[str] | None = None) -> None:
 
         family = family_of(run.config["model"])
         fmt = kv_format_of(run, args)
+        kv_quant = ""
+        if family.decoder_only:  # what the format stores at the run's length; refused where it stores nothing
+            from .kv_quant import coverage
+
+            kv_quant = coverage(fmt, [m.name for m in run.model.layer_mixers], run.config["data"]["seq_len"],
+                                fields=KV_FLAGS, seq_field="the run's data.seq_len")
         if args.text is not None:
             if not hasattr(run.datamodule, "encode"):
                 raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
@@ -362,11 +398,16 @@ def eval_main(argv: list[str] | None = None) -> None:
 
             data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
             metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
+        scored = scored_batches(loader, args.max_batches, None if args.text else run.config.get("trainer") or {})
         result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
-                  "kv_format": dataclasses.asdict(fmt), "metrics": metrics}
+                  "kv_format": dataclasses.asdict(fmt), **({"kv_quant": kv_quant} if kv_quant else {}),
+                  "scored": scored, "metrics": metrics}
         out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
                            else run.checkpoint.with_suffix(".eval.json"))
         out.write_text(json.dumps(result, indent=2))
+        print(scored["line"] + (f" (tokens {int(metrics['tokens']):,})" if "tokens" in metrics else ""))
+        if kv_quant:
+            print(f"kv-quant: {kv_quant}")
         for k, v in metrics.items():
             print(f"{k:28s} {v:.6g}")
         print(f"wrote {out}")

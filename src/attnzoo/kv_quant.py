@@ -127,6 +127,41 @@ def format_kwargs(mixer, kv_format: Optional[KVFormat]) -> dict:
     return {"kv_format": kv_format} if kv_format is not None and quantizes(mixer) else {}
 
 
+def coverage(fmt: KVFormat, layer_mixers: list[str], seq_len: Optional[int], fields=CONFIG_FIELDS,
+             seq_field: str = "data.seq_len") -> str:
+    """What `fmt` changes in a model whose layers have the mixers `layer_mixers`, evaluated on `seq_len`-token
+    sequences (None: any length, as in generation), in words ('' for fp32): which layers it stores and which
+    keep their own caches, and (int8 / int4) how many tokens are held quantized at the end of a sequence. A
+    one-line ConfigError where it would change nothing, so no run reports a "+0.0000" cost of a format that
+    was never applied: no mha / gqa / mqa layer, or a full-precision window R + G that covers the whole
+    sequence (the first group is quantized once R + G tokens are held; only tokens after it read it back)."""
+    if fmt.dtype == "fp32":
+        return ""
+    f_dtype, f_group, f_res = fields
+    n = len(layer_mixers)
+    quantized = [i for i, name in enumerate(layer_mixers) if name in KV_QUANT_MIXERS]
+    kept = sorted({name for name in layer_mixers if name not in KV_QUANT_MIXERS})
+    if not quantized:
+        raise ConfigError(f"{fmt.dtype} stores the KV caches of {' / '.join(KV_QUANT_MIXERS)} layers, and none of this "
+                          f"model's {n} layers is one ({', '.join(kept)}: own caches, unchanged); allowed: fp32, or "
+                          f"a model with an mha / gqa / mqa layer", field=f_dtype)
+    R, G = fmt.residual, fmt.group_size
+    if fmt.bits is not None and seq_len is not None and seq_len <= R + G:
+        raise ConfigError(f"{R} full-precision tokens (+ a group of {G}) cover the whole {seq_len}-token sequence "
+                          f"({seq_field}): no token would read a quantized key or value; allowed: "
+                          f"{f_res.rsplit('.', 1)[-1].lstrip('-')} + {f_group.rsplit('.', 1)[-1].lstrip('-')} "
+                          f"< {seq_len}", field=f_res)
+    kinds = "/".join(sorted({layer_mixers[i] for i in quantized}))
+    where = f"all {n} layers ({kinds})" if len(quantized) == n else (
+        f"layers {','.join(map(str, quantized))} of {n} ({kinds}); not quantized: "
+        f"{','.join(str(i) for i in range(n) if i not in quantized)} ({', '.join(kept)}: own caches)")
+    if fmt.bits is None or seq_len is None:
+        return f"{fmt.dtype} keys/values in {where}"
+    n_q = fmt.n_quantized(seq_len)
+    return (f"{fmt.dtype} keys/values in {where}; at {seq_len} tokens the first {n_q} held quantized, the last "
+            f"{seq_len - n_q} in full precision")
+
+
 # ----------------------------------------------------------------------------- caches
 
 

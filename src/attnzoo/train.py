@@ -145,6 +145,8 @@ def format_summary(summary: dict) -> str:
         kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
         lines.insert(-1, f"  kv-quant   {kv_dtype} cache: val loss {g('val/loss_kvq')} ({g('val/loss_kvq_delta', '{:+.4f}')} "
                          f"vs full precision)" + (f"   acc {g('val/acc_kvq')}" if "val/acc_kvq" in m else ""))
+        if summary.get("kv_quant"):  # what that cache stored: which layers, how many tokens quantized
+            lines.insert(-1, f"             {summary['kv_quant']}")
     kernels = summary["model"].get("kernels") or []
     if any(k != "torch" for k in kernels):  # a GPU run with the fast paths (ops/dispatch.py): which layer ran what
         lines.insert(3, f"  kernels    {','.join(kernels)}   (model.impl={summary['model'].get('impl')})")
@@ -406,6 +408,15 @@ def inference_kv(run) -> dict:
     return {} if fmt.dtype == "fp32" else {"kv_format": fmt}
 
 
+def kv_quant_section(run, model, seq_len: int) -> dict:
+    """summary.json's `kv_quant`: what inference.kv_cache_dtype stored (which layers, how many tokens held
+    quantized at data.seq_len; kv_quant.coverage), {} for fp32."""
+    from .kv_quant import coverage
+
+    kv = inference_kv(run)
+    return {"kv_quant": coverage(kv["kv_format"], [m.name for m in model.layer_mixers], seq_len)} if kv else {}
+
+
 def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, family) -> dict:
     """Metrics at the end of a run: the last logged values, a validation of the final weights (the last
     scheduled one may be steps earlier), throughput, budget, parameters, cache bytes and inference timing."""
@@ -475,6 +486,7 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
         "data": {"name": data_cfg.name, "seq_len": data_cfg.seq_len, "batch_size": data_cfg.batch_size,
                  **getattr(dm, "info", {})},
         **lit.summary_sections(),  # the module's own record (experiment=linearize: what was replaced)
+        **kv_quant_section(run, model, data_cfg.seq_len),
         "seed": run.seed,
         "world_size": trainer.world_size,
         "sample": sample,

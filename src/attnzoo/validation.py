@@ -105,10 +105,19 @@ def _check_blocks(model: ModelConfig, data: Any) -> None:
                               f"{data.seq_len}", field=f"model.layers[{i}].mixer.block_size")
 
 
-def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
+def _check_sinks(model: ModelConfig, data: Any) -> None:
+    """Attention sinks (sliding_window.sink_tokens): fewer than the sequence, or every token would be a sink
+    (full attention, each token cached twice: in the window's ring and beside it)."""
+    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
+        sinks = getattr(mixer, "sink_tokens", 0)
+        check(sinks < data.seq_len or sinks == 0, f"model.layers[{i}].mixer.sink_tokens",
+              f"{sinks} sink tokens cover the whole data.seq_len={data.seq_len}; allowed: 0 .. {data.seq_len - 1}")
+
+
+def _check_inference(inf: InferenceConfig, model: ModelConfig, data: Any) -> None:
     """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
-    is quantized: mha / gqa / mqa), and decoder LMs only."""
-    from .kv_quant import KV_QUANT_MIXERS, KVFormat
+    is quantized: mha / gqa / mqa), decoder LMs only, and one that changes something at data.seq_len."""
+    from .kv_quant import KV_QUANT_MIXERS, KVFormat, coverage
 
     decoder = family_of(model).decoder_only
     quantized = decoder and any(getattr(mc, "name", None) in KV_QUANT_MIXERS for mc in layer_mixer_configs(model))
@@ -116,6 +125,8 @@ def _check_inference(inf: InferenceConfig, model: ModelConfig) -> None:
     if inf.kv_cache_dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
                           field="inference.kv_cache_dtype")
+    if inf.kv_cache_dtype != "fp32":
+        coverage(KVFormat.of(inf), [mc.name for mc in layer_mixer_configs(model)], data.seq_len)
 
 
 def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> None:
@@ -262,11 +273,12 @@ def validate(cfg: DictConfig) -> dict:
     check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     _check_eval(run.eval, model, data)
-    _check_inference(run.inference, model)
+    _check_inference(run.inference, model, data)
     _check_context_parallel(run.trainer, model, data)
     _check_packing(run, model, data)
     _check_memory(run, model)
     _check_blocks(model, data)
+    _check_sinks(model, data)
     _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(

@@ -424,6 +424,9 @@ class SlidingWindowConfig(AttentionConfig):
             raise ConfigError(f"must be >= 1, got {self.window}", field=f"{field}.window")
         if self.sink_tokens < 0:
             raise ConfigError(f"must be >= 0 (0 = none), got {self.sink_tokens}", field=f"{field}.sink_tokens")
+        if self.sink_tokens > self.window:  # sinks are the tokens that stay visible after leaving the window
+            raise ConfigError(f"{self.sink_tokens} sink tokens exceed the window {self.window}; allowed: 0 .. "
+                              f"{self.window} (0 = none)", field=f"{field}.sink_tokens")
         if not self.causal:
             raise ConfigError("sliding_window is causal only; allowed: true", field=f"{field}.causal")
 
