@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from attnzoo.model import DecoderLM  # noqa: E402
-from tests.test_hf_parity_attention import ATOL, RTOL, V, build_hf, copy_attention, copy_common, hf_common  # noqa: E402
+from tests.conftest import fp32_atol  # noqa: E402
+from tests.test_hf_parity_attention import RTOL, V, build_hf, copy_attention, copy_common, hf_common  # noqa: E402
 
 L0 = 16
 
@@ -80,8 +81,9 @@ def test_models_equal_llama_with_the_same_rope_parameters(case):
     copy_attention(model, hf)
     idx = torch.randint(0, V, (2, 3 * L0), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref, got = hf(input_ids=idx).logits, model(idx)
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+        ref = hf(input_ids=idx).logits
+    got, atol = fp32_atol(model, lambda m: m(idx))
+    torch.testing.assert_close(got, ref, atol=atol, rtol=RTOL)
 
 
 def _our_cfg() -> dict:
