@@ -1,12 +1,14 @@
 """Callbacks: throughput / MFU / memory metrics logged during training."""
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from .flops import peak_flops, precision_dtype, train_flops_per_token
 
@@ -122,3 +124,45 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(self.path)
             for lg in trainer.loggers:  # the curves up to this checkpoint on disk too
                 lg.save()
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose files say what their names say at the end of a run.
+
+    Lightning writes `last.ckpt` only on its schedule (every_n_train_steps) and on train end only when it
+    never wrote one, so a run of 8 steps checkpointed every 3 ended with last.ckpt at step 6 while its
+    summary described step 8. Here the end of training always writes last.ckpt at the final step (through
+    the trainer's atomic checkpoint IO: temp file, fsync, rename). `best.ckpt` also considers the end-of-run
+    validation of the final weights (`consider_final_validation`, called after it), so it holds the best
+    monitored value of every validation the run made, the final one included.
+
+    The state key stays ModelCheckpoint's, so checkpoints written before this class existed resume with
+    their best score."""
+
+    @property
+    def state_key(self) -> str:
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A resume from last.ckpt: that file was written before the end-of-run validation, which may have
+        replaced best.ckpt since; best.ckpt's own record of the best is then the current one."""
+        super().load_state_dict(state_dict)
+        path = self.best_model_path
+        if self.monitor and path and os.path.isfile(path) and self.dirpath == state_dict.get("dirpath"):
+            try:
+                own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["callbacks"][self.state_key]
+            except (OSError, RuntimeError, KeyError, ValueError):
+                return  # unreadable: keep the record from the resumed checkpoint
+            if own.get("best_model_path") == path:
+                super().load_state_dict(own)
+
+    def consider_final_validation(self, trainer) -> None:
+        """After `trainer.validate` of the final weights (all ranks): keep them as best.ckpt if their
+        monitored value beats the best so far (Lightning skips saving outside fit)."""
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor and self.save_top_k and self.monitor in candidates and not trainer.fast_dev_run:
+            self._save_topk_checkpoint(trainer, candidates)

@@ -9,20 +9,31 @@ processes on it (`python -m attnzoo.worker <job.yaml>`), with the torch.distribu
 anything itself. The job waits for its workers, so jobs stay isolated: the next job starts with fresh
 processes, and a failing worker fails only its own job.
 
+The workers live no longer than their launcher: each asks the kernel to kill it when the launcher dies
+(`procs.die_with_parent`, Linux), a SIGTERM to the launcher is passed on to them (they save last.ckpt and
+stop, as a preempted run does) and waited for, and any still running when the launcher ends is stopped.
+The run-dir lock records their pids, so the run dir stays locked while any of them lives.
+
 Processes started by torchrun or SLURM (multi-node) are detected from the environment and run as is.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from .rundir import record_workers
+
 WORKER_ENV = "ATTNZOO_WORKER"
+LAUNCHER_ENV = "ATTNZOO_LAUNCHER_PID"  # a worker's launcher: the worker dies with it (procs.die_with_parent)
 
 
 def launched_externally() -> bool:
@@ -32,20 +43,49 @@ def launched_externally() -> bool:
     return int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
 
 
+def on_gpus(trainer_cfg) -> bool:
+    import torch
+
+    acc = str(trainer_cfg.accelerator)
+    return acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
+
+
+def requested_devices(trainer_cfg) -> int:
+    """How many devices (= processes on one node) trainer.devices asks for, as Lightning counts them: a
+    list's length, a count, every visible GPU for -1 / auto on GPUs, every core for -1 on CPU, 1 for auto."""
+    devices = trainer_cfg.devices
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
+        return len(devices)
+    if devices in (-1, "-1", "auto"):
+        import torch
+
+        if on_gpus(trainer_cfg):
+            return torch.cuda.device_count()
+        return (os.cpu_count() or 1) if devices != "auto" else 1
+    return int(devices)
+
+
+def check_launchable(trainer_cfg) -> None:
+    """Several devices without a DDP strategy: Lightning would pick DDP itself and re-run this command once
+    per rank into the same run dir (whose lock refuses ranks > 0, leaving a force-killed run and a stale
+    lock). Refused in one line before any work; the ranks are this launcher's to start (trainer=ddp_cpu / ddp)."""
+    from .errors import check
+
+    strategy = str(trainer_cfg.strategy or "auto")
+    if strategy.startswith("ddp") or launched_externally():
+        return
+    n = requested_devices(trainer_cfg)
+    preset = "ddp" if on_gpus(trainer_cfg) else "ddp_cpu"
+    check(n <= 1, "trainer.devices", f"{trainer_cfg.devices!r} is {n} processes, which strategy={strategy} cannot "
+          f"start here; allowed: 1, or DDP through attnzoo's launcher: trainer={preset} trainer.devices={n}")
+
+
 def processes_to_launch(trainer_cfg) -> int:
     """How many local worker processes this job must start itself (0: run in this process)."""
     strategy = str(trainer_cfg.strategy or "auto")
     if launched_externally() or not strategy.startswith("ddp") or strategy == "ddp_spawn" or trainer_cfg.num_nodes > 1:
         return 0
-    devices = trainer_cfg.devices
-    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
-        n = len(devices)
-    elif devices in (-1, "-1", "auto"):
-        import torch
-
-        n = torch.cuda.device_count() if trainer_cfg.accelerator in ("gpu", "cuda", "auto") else (os.cpu_count() or 1)
-    else:
-        n = int(devices)
+    n = requested_devices(trainer_cfg)
     return n if n > 1 else 0
 
 
@@ -66,8 +106,9 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
     threads = max(1, (os.cpu_count() or 1) // n)
     for rank in range(n):
         env = dict(os.environ)
-        env.update({WORKER_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
-                    "NODE_RANK": "0", "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": str(threads)})
+        env.update({WORKER_ENV: "1", LAUNCHER_ENV: str(os.getpid()), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "WORLD_SIZE": str(n), "NODE_RANK": "0", "LOCAL_RANK": str(rank),
+                    "RANK": str(rank), "OMP_NUM_THREADS": str(threads)})
         if rank == 0:
             log, stdout = None, None  # rank 0 prints the progress bar and the summary
         else:
@@ -76,6 +117,54 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", "attnzoo.worker", str(job)], env=env,
                                       stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
+    record_workers(out, [p.pid for p in procs])  # the run dir stays locked while any of them lives
+    with _forward_sigterm(procs):
+        try:
+            failed = _wait(procs, timeout)
+        finally:  # this launcher is ending (normally they all have): no worker outlives it
+            _stop(procs)
+    if failed:
+        rank, code = failed
+        where = logs[rank] if rank >= 0 and logs[rank] else "the output above"
+        raise RuntimeError(f"DDP worker rank {rank} exited with code {code}; see {where}")
+
+
+@contextlib.contextmanager
+def _forward_sigterm(procs):
+    """SIGTERM to the launcher (a preemption, a `kill`) goes to the workers, which save last.ckpt and exit
+    (PreemptionCheckpoint); the launcher waits for them instead of dying first and taking them along."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(procs, grace: float = 10.0) -> None:
+    """SIGTERM the workers still running, SIGKILL those left after `grace` seconds, and reap them all."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.time() + grace
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _wait(procs, timeout: float | None):
+    """Wait for every worker; (rank, exit code) of the first that failed, or None. A failure stops the rest."""
     start = time.time()
     failed = None
     while True:
@@ -94,8 +183,5 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
                 p.kill()
             failed = failed or (-1, "timeout")
         time.sleep(0.2)
-    if failed:
-        rank, code = failed
-        where = logs[rank] if rank >= 0 and logs[rank] else "the output above"
-        raise RuntimeError(f"DDP worker rank {rank} exited with code {code}; see {where}")
+    return failed
 

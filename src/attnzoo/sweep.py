@@ -11,21 +11,25 @@ again (`model/mixer=gqa,mha`) which replaces that key's values from the sweep fi
 the command line wins per key). Jobs run two at a time in worker processes (`hydra/launcher=parallel`;
 `hydra/launcher=basic` runs them one after another in this process); a failing job is recorded in its own
 directory (error.txt, summary.json status "failed") and the sweep goes on; the sweep then prints
-"N ok, M failed" and exits 1 if any failed. Rerun with the same `hydra.sweep.dir` to skip finished jobs
-and resume interrupted ones from their last.ckpt.
+"N ok, M failed" and exits 1 if any failed. SIGTERM or Ctrl-C stops the sweep with every process it
+started (worker processes, their resource trackers, the jobs' DDP workers) and exits 143 / 130.
+Rerun with the same `hydra.sweep.dir` to skip finished jobs and resume interrupted ones from their last.ckpt.
 Afterwards: `attnzoo-report <the sweep dir>`.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 from .paths import sweeps_dir
+from .procs import kill_tree
 
 USAGE = "usage: attnzoo-sweep NAME [hydra overrides...]   (NAME: one of {names})"
 
@@ -53,7 +57,9 @@ class SweepTally(Callback):
     summary predates this multirun was finished earlier and skipped (a rerun into the same sweep dir)."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        global _sweep_dir
         self.start = time.time()
+        _sweep_dir = str(config.hydra.sweep.dir)  # named by the SIGTERM / SIGINT message
 
     def on_multirun_end(self, config, **kwargs) -> None:
         counts = {"ok": 0, "failed": 0, "skipped": 0, "incomplete": 0}
@@ -134,6 +140,27 @@ def check_search_space(sweeper, task_overrides: list[str]) -> str | None:
     return None
 
 
+_sweep_dir = None  # this process's running multirun (SweepTally.on_multirun_start)
+
+
+def _launcher(overrides: list[str]) -> str:
+    picked = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/launcher=")]
+    return picked[-1] if picked else "parallel"
+
+
+def _stop_everything(signum, frame) -> None:
+    """SIGTERM / SIGINT to a sweep whose jobs run in worker processes (joblib/loky): kill every process
+    the sweep started (the workers, their resource trackers, the jobs' DDP workers), say how to resume, and
+    exit 128 + the signal number. Without it the loky workers and trackers outlived the sweep by minutes.
+    A job's last.ckpt (written atomically) is where a rerun into the same sweep dir resumes it."""
+    killed = kill_tree()
+    where = f" with hydra.sweep.dir={_sweep_dir}" if _sweep_dir else ""
+    print(f"attnzoo-sweep: {signal.Signals(signum).name}: stopped the sweep and its {len(killed)} worker "
+          f"processes; rerun the same command{where} to skip finished jobs and resume the others",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
@@ -152,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     GlobalHydra.instance().clear()  # a previous in-process compose/run would block hydra.main
     # the parallel launcher's worker processes read this when they import torch: half the cores each
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // PARALLEL_JOBS)))
+    previous = {}
+    if _launcher(overrides) != "basic" and threading.current_thread() is threading.main_thread():
+        # jobs in worker processes: they end with the sweep (basic: in this process, preemption as in train)
+        previous = {sig: signal.signal(sig, _stop_everything) for sig in (signal.SIGTERM, signal.SIGINT)}
     saved = sys.argv
     sys.argv = [f"attnzoo-sweep-{name}", *hydra_argv(name, overrides)]
     try:
@@ -159,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

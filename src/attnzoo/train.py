@@ -227,6 +227,7 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     `on_accept()` is called once the run is accepted (config valid, run dir free, resume compatible),
     before anything is written to the run dir (the CLI writes `.hydra/` there then)."""
     from .hf import apply_init_from
+    from .launch import check_launchable
     from .linearize import apply_linearize
     from .rundir import run_dir_lock
 
@@ -235,6 +236,7 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     cfg = apply_linearize(cfg)  # experiment=linearize: that section becomes the student's (chosen layers linear)
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
+    check_launchable(parts["run"].trainer)  # several devices: through attnzoo's DDP launcher only
     check_kernels_present(parts["model"], parts["run"].trainer)
     out = Path(parts["run"].paths.output_dir).expanduser()
     from .console import ConsoleLog
@@ -284,7 +286,10 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
         launch_workers(container, out, n_workers)
-        return json.loads((out / "summary.json").read_text())["metrics"]
+        summary = json.loads((out / "summary.json").read_text())
+        if summary.get("status") == "preempted":  # SIGTERM passed on to the workers: they saved last.ckpt
+            return {"status": "preempted", "global_step": summary["global_step"]}
+        return summary["metrics"]
     family, lit = build_module(container, dm, run)
     out.mkdir(parents=True, exist_ok=True)
     loggers = build_loggers(parts["logger"], out, container, None if ckpt is None else int(ckpt["global_step"]))
@@ -333,9 +338,8 @@ def build_module(container: dict, dm, run):
 def build_trainer(parts: dict, out: Path, loggers: list):
     """The Lightning Trainer with the run's callbacks; returns (trainer, throughput monitor)."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from .callbacks import PreemptionCheckpoint, ThroughputMonitor
+    from .callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor
     from .checkpoint import AtomicCheckpointIO
     from .data.sampling import DataPositionCallback
 
@@ -351,16 +355,16 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         PreemptionCheckpoint(out / "checkpoints" / "last.ckpt"),
         throughput,
         *[RowBeforeCheckpoint(lg) for lg in csv_loggers],  # the step's CSV row (perf included) before its checkpoint
-        # last.ckpt every `ckpt_every` steps (resume point); Lightning writes to a temp file, then renames
-        ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
-                        enable_version_counter=False),
+        # last.ckpt every `ckpt_every` steps (resume point) and at the final step; written to a temp file, renamed
+        RunCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
+                      enable_version_counter=False),
     ]
     monitor = cb_cfg.get("monitor") or "val/loss"
     if cb_cfg.get("save_best", True):
         callbacks.append(
-            ModelCheckpoint(dirpath=out / "checkpoints", filename="best", monitor=monitor,
-                            mode="max" if monitor.endswith("acc") else "min", save_top_k=1, auto_insert_metric_name=False,
-                            enable_version_counter=False)
+            RunCheckpoint(dirpath=out / "checkpoints", filename="best", monitor=monitor,
+                          mode="max" if monitor.endswith("acc") else "min", save_top_k=1, auto_insert_metric_name=False,
+                          enable_version_counter=False)
         )
     if cb_cfg.get("early_stop"):
         from lightning.pytorch.callbacks import EarlyStopping
@@ -426,6 +430,12 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     model = lit.model
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
     final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
+    if final:  # best.ckpt: the final weights too, when their validation is the best of the run
+        from .callbacks import RunCheckpoint
+
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, RunCheckpoint):
+                cb.consider_final_validation(trainer)
     infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
     metrics.update({k: float(v) for k, v in final.items()})
     metrics.update(throughput.last)

@@ -8,6 +8,13 @@ from omegaconf import OmegaConf
 
 
 def main() -> None:
+    import os
+
+    from .launch import LAUNCHER_ENV
+    from .procs import die_with_parent
+
+    if os.environ.get(LAUNCHER_ENV):  # first: a worker never outlives its launcher (no orphan after a SIGKILL)
+        die_with_parent(int(os.environ[LAUNCHER_ENV]))
     from .train import train
 
     train(OmegaConf.load(sys.argv[1]))
