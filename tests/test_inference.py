@@ -79,3 +79,31 @@ def test_bad_checkpoints_are_one_line(text_run, tmp_path, capsys):
             eval_main([str(path)])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and "\n" not in err and phrase in err, err
+
+
+def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
+    """Byte-level BPE with no merges beyond ASCII: every CJK character is 3 byte tokens, an emoji 4, so most
+    tokens end inside a UTF-8 character. The stream holds those bytes back and writes each character whole
+    (before: U+FFFD for the incomplete bytes, then nothing more once the text stopped extending it)."""
+    from types import SimpleNamespace
+
+    import attnzoo.model as model_mod
+    from attnzoo.data.tokenizer import BPETokenizer
+    from attnzoo.inference import stream
+    from attnzoo.model import DecoderLM
+    from tests.conftest import tiny_model_cfg
+
+    tok = BPETokenizer.train("plain ascii text, nothing else " * 20, vocab_size=300)
+    want = "a 中文字 🙂 é!"
+    ids = tok.encode(want)
+    assert len(ids) > len(want) + 8  # the multi-byte characters really are split across tokens
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # prefixes end mid-character
+    script = iter(ids)
+    monkeypatch.setattr(model_mod, "sample_next", lambda *a, **k: torch.tensor([[next(script)]]))
+    model = DecoderLM(tiny_model_cfg("gqa"), vocab_size=tok.vocab_size).eval()
+    run = SimpleNamespace(model=model, encode=tok.encode, decode=tok.decode)
+    pieces: list[str] = []
+    got = stream(run, "plain", len(ids), 1.0, None, None, 0, pieces.append)
+    assert got == "".join(pieces) == want
+    assert all(p and "\ufffd" not in p for p in pieces), pieces
+    assert "中" in pieces and "🙂" in pieces  # written when its last byte came, as one piece

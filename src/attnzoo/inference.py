@@ -190,7 +190,9 @@ def position_limit(model) -> Optional[int]:
 def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
            top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None) -> str:
     """Sample a completion token by token from the cache (keys/values in `kv_format`, attnzoo.kv_quant),
-    writing each decoded piece as it comes."""
+    writing each decoded piece as it comes: whole characters only (`complete_text`), so a byte-level BPE
+    token that ends inside a UTF-8 character is held back until the token that completes it. Returns the
+    text written."""
     from .model import sample_next
 
     model = run.model
@@ -207,15 +209,20 @@ def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float,
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, g)
         out.append(int(nxt))
-        text = run.decode(out)
-        if text.startswith(shown):  # byte-level BPE: print only once a piece decodes to whole characters
+        text = complete_text(run.decode(out))
+        if len(text) > len(shown) and text.startswith(shown):
             write(text[len(shown):])
             shown = text
         logits = model(nxt, cache=cache)[:, -1]
-    rest = run.decode(out)
-    if rest != shown and rest.startswith(shown):
-        write(rest[len(shown):])
-    return rest
+    return shown
+
+
+def complete_text(decoded: str) -> str:
+    """`decoded` without a trailing run of U+FFFD: the bytes of a UTF-8 character whose last byte has not been
+    generated yet decode (errors=replace, as HF's byte-level decoder does) to U+FFFD; once the token that
+    completes it comes, the whole ids decode to the character. A U+FFFD that stays (bytes that never form a
+    character) is written as soon as any character follows it; one the generation ends on is dropped."""
+    return decoded.rstrip("\ufffd")
 
 
 def generate_main(argv: list[str] | None = None) -> None:
