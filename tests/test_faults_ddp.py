@@ -76,7 +76,8 @@ def test_ddp_cpu_two_processes(tmp_path):
     assert summary["world_size"] == 2 and summary["global_step"] == 4 and summary["status"] == "ok"
     assert metrics["val/loss"] > 0 and metrics["perf/tokens_per_sec"] > 0
     assert (out / "launch" / "rank1.log").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "csv", "launch", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "csv", "launch", "summary.json", "train.log"]
+    assert (out / "train.log").read_text().count("attnzoo run summary") == 1  # rank 0's console, once
     assert len(list((out / "csv").glob("metrics.csv"))) == 1
 
 

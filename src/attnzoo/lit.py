@@ -192,7 +192,14 @@ class TrainingModule(L.LightningModule):
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum a vector of validation statistics over all ranks."""
         if self.trainer.world_size > 1:
-            return self.all_gather(stats).reshape(-1, stats.numel()).sum(0)
+            # every rank's vector, summed in rank order (the same on all ranks); torch.distributed.all_gather
+            # itself, not LightningModule.all_gather, whose torch.distributed.nn.functional.all_gather (autograd
+            # through the gather, not needed here) is deprecated
+            import torch.distributed as dist
+
+            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, stats.contiguous())
+            return torch.stack(gathered).sum(0)
         return stats
 
     def configure_optimizers(self) -> Any:
