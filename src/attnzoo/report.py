@@ -695,10 +695,13 @@ document.querySelectorAll('input.filter').forEach(inp => inp.addEventListener('i
   if (inp.dataset.table === 'best') document.querySelectorAll('circle.pt').forEach(c => {
     c.style.opacity = match(c.dataset.text) ? 1 : 0.08; });
 }));
-document.querySelectorAll('th').forEach((th, i) => th.addEventListener('click', () => {
-  const body = th.closest('table').querySelector('tbody');
+// each header sorts its own table by its own column: th.cellIndex (the position in its row), not the index
+// among every th of the page (which pointed past the last column of any table after the first)
+document.querySelectorAll('th').forEach(th => th.addEventListener('click', () => {
+  const i = th.cellIndex, body = th.closest('table').querySelector('tbody');
   const asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
-  const key = tr => { const td = tr.children[i]; return td.dataset.v !== undefined ? parseFloat(td.dataset.v) : td.textContent; };
+  const key = tr => { const td = tr.children[i]; if (!td) return '';
+    return td.dataset.v !== undefined ? parseFloat(td.dataset.v) : td.textContent; };
   [...body.rows].sort((a, b) => { const x = key(a), y = key(b);
     const r = (typeof x === 'number' && typeof y === 'number') ? x - y : String(x).localeCompare(String(y), undefined, {numeric: true});
     return asc ? r : -r; }).forEach(tr => body.appendChild(tr));
