@@ -120,3 +120,17 @@ def test_what_a_run_prints(tmp_path):
                          "trainer.enable_progress_bar", "optim.lr"]
     assert not any(n.startswith("callbacks.") for n in names) and len(names) < 25
     assert "hparams/val/acc" in [m.name.tag for m in experiments[0].metric_infos]
+
+
+def test_a_resumed_runs_bar_starts_at_its_step(tmp_path, capsys):
+    from attnzoo.train import train
+    from tests.conftest import compose_cfg
+
+    base = ["debug=smoke", "data=mqar", "data.train_size=12", "data.val_size=8", "data.num_kv_pairs=2",
+            "trainer.enable_progress_bar=true", "perf.measure_decode=false", "sample.max_new_tokens=0",
+            "callbacks.checkpoint_every_n_steps=2"]
+    train(compose_cfg(base + ["trainer.max_steps=4"], tmp_path / "run"))
+    capsys.readouterr()
+    train(compose_cfg(base + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "run"))
+    states = [s for ln in capsys.readouterr().out.splitlines() for s in ln.split("\r") if s.startswith("Epoch")]
+    assert states and "4/8" in states[0] and "8/8" in states[-1], states
