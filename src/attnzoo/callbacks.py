@@ -1,4 +1,5 @@
-"""Callbacks: throughput / MFU / memory metrics logged during training."""
+"""Callbacks: throughput / MFU / memory metrics logged during training; the run's checkpoints (the final
+step's last.ckpt, best.ckpt over every validation, a preempted run's last.ckpt)."""
 from __future__ import annotations
 
 import os
@@ -145,6 +146,11 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
+            # the module's non-finite check of the last step first (on a GPU it reads the flag a step late,
+            # in its own on_train_end, which Lightning calls after this): no non-finite weights in last.ckpt
+            check_deferred = getattr(pl_module, "_check_deferred", None)
+            if check_deferred is not None:
+                check_deferred()
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def load_state_dict(self, state_dict: dict) -> None:
