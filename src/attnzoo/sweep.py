@@ -155,9 +155,12 @@ def _stop_everything(signum, frame) -> None:
     A job's last.ckpt (written atomically) is where a rerun into the same sweep dir resumes it."""
     killed = kill_tree()
     where = f" with hydra.sweep.dir={_sweep_dir}" if _sweep_dir else ""
-    print(f"attnzoo-sweep: {signal.Signals(signum).name}: stopped the sweep and its {len(killed)} worker "
-          f"processes; rerun the same command{where} to skip finished jobs and resume the others",
-          file=sys.stderr, flush=True)
+    try:
+        print(f"attnzoo-sweep: {signal.Signals(signum).name}: stopped the sweep and its {len(killed)} worker "
+              f"processes; rerun the same command{where} to skip finished jobs and resume the others",
+              file=sys.stderr, flush=True)
+    except (OSError, RuntimeError):  # the signal came in the middle of a write to stderr (reentrant call)
+        pass
     os._exit(128 + signum)
 
 
