@@ -4,9 +4,9 @@ started outlives it.
 - last.ckpt is written at the final step even when max_steps is not a multiple of the checkpoint interval
   (with and without DDP), holds exactly the final weights, and a run resumed after a crash between two
   checkpoints ends on the same weights as an uninterrupted one; best.ckpt holds the best validation.
-- SIGKILL of a DDP launcher takes its workers along (real signal; the run dir is free again), a lock whose
-  launcher is dead but whose workers live is still live, and SIGTERM of attnzoo-sweep ends its loky
-  workers and resource trackers and exits non-zero.
+- SIGKILL of a DDP launcher takes its workers along (real signal; the run dir is free again), SIGTERM to it
+  preempts them (last.ckpt, status preempted, exit 0), a lock whose launcher is dead but whose workers live
+  is still live, and SIGTERM of attnzoo-sweep ends its loky workers and resource trackers and exits non-zero.
 """
 import csv
 import json
@@ -206,6 +206,31 @@ def test_sigkill_of_a_ddp_launcher_kills_its_workers_and_frees_the_run_dir(tmp_p
             os.kill(pid, signal.SIGKILL)
     with run_dir_lock(run):  # the lock left behind is stale now: taken over
         assert (run / LOCK_NAME).read_text().startswith(str(os.getpid()))
+
+
+@needs_proc
+def test_sigterm_to_a_ddp_launcher_preempts_its_workers(tmp_path):
+    """The launcher passes SIGTERM on and waits: the workers save last.ckpt at the step they stop at, the
+    run is marked preempted and exits 0 (it used to die at once, leaving its workers training on)."""
+    run = tmp_path / "ddp"
+    p = cli(BASE + ["trainer=ddp_cpu", "trainer.max_steps=1000", "trainer.val_check_interval=1000",
+                    "callbacks.checkpoint_every_n_steps=2", f"hydra.run.dir={run}", f"paths.cache_dir={SESSION_CACHE}"],
+            start_new_session=True)
+    try:
+        wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 2, p)
+        workers = descendants(p.pid)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out[-3000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "preempted" and ckpt(run)["global_step"] == summary["global_step"] < 1000
+        wait_until_gone(workers, p.pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pid in session_processes(p.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @needs_proc
