@@ -69,14 +69,18 @@ class RunProgressBar(TQDMProgressBar):
 
 class RunHeader(L.Callback):
     """Prints, once at the start of training (rank 0), what is being trained:
-    `attnzoo: training gqa x4 d_model=128 heads=4/2kv ... | params 1,000,576 (active 1,000,576) | 6.2 MFLOPs/token`."""
+    `attnzoo: training gqa x4 d_model=128 heads=4/2kv ... | params 1,000,576 (active 1,000,576) | 6.2 MFLOPs/token`.
+    `describe(model) -> str` is the run summary's model line (attnzoo.train.describe_model: passed in, as this
+    layer sits below train)."""
+
+    def __init__(self, describe) -> None:
+        self.describe = describe
 
     @rank_zero_only
     def on_fit_start(self, trainer, pl_module) -> None:
         from .flops import train_flops_per_token
-        from .train import describe_model
 
-        model = pl_module.model
+        describe_model, model = self.describe, pl_module.model
         ctx = getattr(getattr(trainer, "datamodule", None), "cfg", None)
         ctx = getattr(ctx, "seq_len", None)
         flops = f" | {train_flops_per_token(model, ctx) / 1e6:,.2f} MFLOPs/token (training, at {ctx} tokens)" if ctx else ""

@@ -281,16 +281,18 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
         from .checkpoint import check_resume_compatible
 
         check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
-    if on_accept is not None:
-        on_accept()
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
+        if on_accept is not None:
+            on_accept()
         launch_workers(container, out, n_workers)
         summary = json.loads((out / "summary.json").read_text())
         if summary.get("status") == "preempted":  # SIGTERM passed on to the workers: they saved last.ckpt
             return {"status": "preempted", "global_step": summary["global_step"]}
         return summary["metrics"]
-    family, lit = build_module(container, dm, run)
+    family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
+    if on_accept is not None:
+        on_accept()
     out.mkdir(parents=True, exist_ok=True)
     loggers = build_loggers(parts["logger"], out, container, None if ckpt is None else int(ckpt["global_step"]))
     trainer, throughput = build_trainer(parts, out, loggers)
@@ -375,7 +377,7 @@ def build_trainer(parts: dict, out: Path, loggers: list):
                                        check_on_train_epoch_end=False))
     from .console import RunHeader, RunProgressBar, quiet_lightning
 
-    callbacks.append(RunHeader())  # in place of Lightning's module table (its FLOPs column reads 0)
+    callbacks.append(RunHeader(describe_model))  # in place of Lightning's module table (its FLOPs column reads 0)
     if run.trainer.enable_progress_bar:  # steps to max_steps, with the run's ETA
         callbacks.append(RunProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
     quiet_lightning()
