@@ -112,11 +112,42 @@ class ThroughputMonitor(L.Callback):
 
 
 class PreemptionCheckpoint(L.Callback):
-    """On SIGTERM (what SLURM sends before preemption) Lightning finishes the batch and raises
-    SIGTERMException on every rank; this writes last.ckpt (atomically) so a requeued job resumes."""
+    """On SIGTERM (what SLURM sends before preemption) every rank stops after the same batch and this writes
+    last.ckpt (atomically) so a requeued job resumes.
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, at whatever moment the signal
+    lands - under DDP that collective can interleave with the backward's asynchronous all-reduce (gloo: a
+    reset connection, an aborted rank), and each rank then stops after the batch in which *its* signal
+    arrived, which need not be the same batch. So during training the handler here only notes the signal,
+    and at the end of every batch the ranks agree (one all-reduce of a 1-element flag: any rank signalled)
+    before Lightning's flag is set on all of them at once; Lightning then raises SIGTERMException after that
+    same batch everywhere."""
 
     def __init__(self, path):
         self.path = str(path)
+        self._signalled = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import signal
+        import threading
+
+        # Lightning registered its handler when the run started (trainer._run); replace it for the training
+        # loop (its teardown restores the handler the process had before fit)
+        if threading.current_thread() is threading.main_thread():
+            self._signalled = False
+            signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self._signalled = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        flag = self._signalled
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            t = torch.tensor([1 if flag else 0], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+        if flag:
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
