@@ -158,6 +158,15 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
+def end_session(p) -> None:
+    """Whatever the test asserted: the process and everything in its session end with the test."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    for pid in session_processes(p.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def wait_until_gone(pids, sid: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,11 +208,7 @@ def test_sigkill_of_a_ddp_launcher_kills_its_workers_and_frees_the_run_dir(tmp_p
         p.wait()
         wait_until_gone(workers, p.pid)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for pid in session_processes(p.pid):
-            os.kill(pid, signal.SIGKILL)
+        end_session(p)
     with run_dir_lock(run):  # the lock left behind is stale now: taken over
         assert (run / LOCK_NAME).read_text().startswith(str(os.getpid()))
 
@@ -226,11 +231,7 @@ def test_sigterm_to_a_ddp_launcher_preempts_its_workers(tmp_path):
         assert summary["status"] == "preempted" and ckpt(run)["global_step"] == summary["global_step"] < 1000
         wait_until_gone(workers, p.pid)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for pid in session_processes(p.pid):
-            os.kill(pid, signal.SIGKILL)
+        end_session(p)
 
 
 @needs_proc
@@ -284,8 +285,4 @@ def test_sigterm_of_a_sweep_ends_its_workers_and_resource_trackers(tmp_path):
         assert "attnzoo-sweep: SIGTERM: stopped the sweep" in out and f"hydra.sweep.dir={sweep}" in out, out[-3000:]
         wait_until_gone(started, p.pid)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for pid in session_processes(p.pid):
-            os.kill(pid, signal.SIGKILL)
+        end_session(p)
