@@ -77,6 +77,23 @@ def fp32_atol(model, forward, floor: float = 1e-5, factor: float = FP32_FACTOR):
     return out32, max(floor, factor * gap)
 
 
+def gap_atol(out32, out64, factor: float = FP32_FACTOR) -> float:
+    """The absolute tolerance for comparing `out32`, a computation run in fp32, with another fp32 form of the same
+    computation (a reference that computes in fp32 internally, or a test about fp32 behaviour): `factor` x
+    max|out32 - out64|, `out64` being the same computation run in fp64. The gap counts as at least one fp32
+    rounding of the output's size (eps x max|out64|), so an fp32 result that happens to be exact does not ask
+    the other side for bit equality. Where both sides accept fp64, compare in fp64 instead (tolerance 1e-10).
+    A gap above 1e-3 of the values' size fails here: the fp32 run took another branch (a top-k, a routing choice)
+    or is unstable, and a tolerance derived from it would be as large as the bugs it has to catch."""
+    import torch
+
+    out64 = out64.detach().double()
+    gap = (out32.detach().double() - out64).abs().max().item()
+    size = out64.abs().max().item()
+    assert gap <= 1e-3 * size, f"fp32 differs from fp64 by {gap:.3g} on values of size {size:.3g}"
+    return factor * max(gap, torch.finfo(torch.float32).eps * size)
+
+
 def assert_learns(run_dir, *, falls: bool = True, below_uniform: bool = True) -> None:
     """Value checks for a short end-to-end run instead of "the loss is finite": the validation loss (read from the
     run's metrics.csv) falls from its first evaluation to its last (`falls`, needs two evaluations) and ends below

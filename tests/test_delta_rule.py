@@ -1,6 +1,10 @@
 """The delta-rule and linear-attention ops (ops/delta_rule.py, ops/linear_attention.py): chunkwise form ==
 per-token recurrence (outputs, final state, gradients), an fp64 oracle, state carrying, strong decay, and
-parity with transformers' Qwen3-Next torch references and fla-core's naive.py references."""
+parity with transformers' Qwen3-Next torch references and fla-core's naive.py references.
+
+Tolerances (conftest.gap_atol): comparisons of two of our forms run in fp64 (1e-10); the fp32 tests and the
+references that compute in fp32 internally (transformers, fla) use FP32_FACTOR x the same computation's own
+fp32-vs-fp64 gap - a wrong decay, beta or state update moves the outputs by O(0.1-1), far above it."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +16,15 @@ import torch.nn.functional as F
 
 from attnzoo.ops.delta_rule import chunk_delta_rule, decay_exp, delta_rule_recurrent, delta_rule_step, solve_unit_lower
 from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
+from tests.conftest import gap_atol
+
+F64 = dict(atol=1e-10, rtol=0)  # two forms of the same computation, both in fp64
+
+
+def pair_atol(a32, a64, b32, b64) -> float:
+    """Two fp32 forms of one computation, each also run in fp64: FP32_FACTOR x the larger of their own
+    fp32-vs-fp64 gaps (the chunk form rounds up to ~9x more than the recurrence with 64-token chunks)."""
+    return max(gap_atol(a32, a64), gap_atol(b32, b64))
 
 
 def inputs(B=2, H=3, T=50, Dk=16, Dv=12, *, gated=True, g_scale=1.0, init=False, dtype=torch.float32, seed=0):
@@ -43,13 +56,17 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_chunk_matches_recurrent_fp32(case):
+    """fp32 chunk form against the fp32 recurrence, within FP32_FACTOR x the larger of their own fp32 roundings."""
     T, C, H, gated, init = CASES[case]
     q, k, v, beta, g, s0 = inputs(H=H, T=T, gated=gated, init=init)
+    as64 = inputs(H=H, T=T, gated=gated, init=init, dtype=torch.float64)
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, g, s0)
+    o_ref64, s_ref64 = delta_rule_recurrent(*as64)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=C)
+    o64, s64 = chunk_delta_rule(*as64, chunk_size=C)
     assert o.shape == o_ref.shape == (2, H, T, 12) and s.shape == (2, H, 16, 12)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, o_ref, atol=pair_atol(o_ref, o_ref64, o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=pair_atol(s_ref, s_ref64, s, s64), rtol=0)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -57,23 +74,29 @@ def test_fp64_tight_oracle(gated):
     q, k, v, beta, g, s0 = inputs(T=77, gated=gated, init=True, dtype=torch.float64)
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, g, s0)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=16)
-    torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=0)
-    # the fp32 chunk form against the fp64 recurrence
-    o32, s32 = chunk_delta_rule(*(None if x is None else x.float() for x in (q, k, v, beta, g, s0)), chunk_size=16)
-    torch.testing.assert_close(o32.double(), o_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s32.double(), s_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, o_ref, **F64)
+    torch.testing.assert_close(s, s_ref, **F64)
+    # the fp32 chunk form is as accurate as the fp32 recurrence: within FP32_FACTOR x the recurrence's fp32 error
+    as32 = [None if x is None else x.float() for x in (q, k, v, beta, g, s0)]
+    o32, s32 = chunk_delta_rule(*as32, chunk_size=16)
+    o_rec32, s_rec32 = delta_rule_recurrent(*as32)
+    torch.testing.assert_close(o32.double(), o_ref, atol=gap_atol(o_rec32, o_ref), rtol=0)
+    torch.testing.assert_close(s32.double(), s_ref, atol=gap_atol(s_rec32, s_ref), rtol=0)
 
 
 @pytest.mark.parametrize("g_scale", [30.0, 300.0], ids=["g-30", "g-300"])
 def test_strong_decay_is_finite_and_exact(g_scale):
     q, k, v, beta, g, s0 = inputs(T=45, g_scale=g_scale, init=True)
     assert g.mean() < -g_scale / 2
+    as64 = inputs(T=45, g_scale=g_scale, init=True, dtype=torch.float64)
     o_ref, s_ref = delta_rule_recurrent(q, k, v, beta, g, s0)
+    o_ref64, s_ref64 = delta_rule_recurrent(*as64)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=16)
+    o64, s64 = chunk_delta_rule(*as64, chunk_size=16)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    # in fp32, where exp of the decays under- and overflows: within FP32_FACTOR x the larger fp32 rounding
+    torch.testing.assert_close(o, o_ref, atol=pair_atol(o_ref, o_ref64, o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=pair_atol(s_ref, s_ref64, s, s64), rtol=0)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, g)]
     out, state = chunk_delta_rule(*leaves, s0, chunk_size=16)
     (out.sum() + state.sum()).backward()
@@ -82,45 +105,45 @@ def test_strong_decay_is_finite_and_exact(g_scale):
 
 @pytest.mark.parametrize("gated,init", [(True, True), (True, False), (False, True)], ids=["gated-init", "gated", "plain-init"])
 def test_gradients_match_recurrent(gated, init):
-    base = inputs(H=2, T=37, gated=gated, init=init)
+    base = inputs(H=2, T=37, gated=gated, init=init, dtype=torch.float64)
     names = ["q", "k", "v", "beta", "g", "s0"]
     grads = {}
     for form in ("recurrent", "chunk"):
         leaves = [None if x is None else x.clone().requires_grad_() for x in base]
         fn = delta_rule_recurrent if form == "recurrent" else (lambda *a: chunk_delta_rule(*a, chunk_size=16))
         o, s = fn(*leaves)
-        w_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(5))
-        w_s = torch.randn(s.shape, generator=torch.Generator().manual_seed(6))
+        w_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=o.dtype)
+        w_s = torch.randn(s.shape, generator=torch.Generator().manual_seed(6), dtype=s.dtype)
         ((o * w_o).sum() + (s * w_s).sum()).backward()
         grads[form] = {n: x.grad for n, x in zip(names, leaves) if x is not None}
     assert set(grads["chunk"]) == {"q", "k", "v", "beta"} | ({"g"} if gated else set()) | ({"s0"} if init else set())
     for n, gr in grads["recurrent"].items():
         assert gr.abs().max() > 1e-3, n  # the comparison is not vacuous
-        torch.testing.assert_close(grads["chunk"][n], gr, atol=1e-4, rtol=1e-4, msg=f"grad of {n}")
+        torch.testing.assert_close(grads["chunk"][n], gr, **F64, msg=f"grad of {n}")
 
 
 @pytest.mark.parametrize("split", [1, 16, 29], ids=lambda s: f"split{s}")
 def test_state_carrying(split):
-    q, k, v, beta, g, s0 = inputs(T=45, init=True)
+    q, k, v, beta, g, s0 = inputs(T=45, init=True, dtype=torch.float64)
     o_all, s_all = chunk_delta_rule(q, k, v, beta, g, s0, chunk_size=16)
     a = slice(0, split)
     b = slice(split, None)
     o1, s1 = chunk_delta_rule(q[:, :, a], k[:, :, a], v[:, :, a], beta[:, :, a], g[:, :, a], s0, chunk_size=16)
     o2, s2 = chunk_delta_rule(q[:, :, b], k[:, :, b], v[:, :, b], beta[:, :, b], g[:, :, b], s1, chunk_size=16)
-    torch.testing.assert_close(torch.cat([o1, o2], 2), o_all, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s2, s_all, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([o1, o2], 2), o_all, **F64)
+    torch.testing.assert_close(s2, s_all, **F64)
 
 
 def test_prefill_then_steps_equals_full():
-    q, k, v, beta, g, s0 = inputs(T=30)
+    q, k, v, beta, g, s0 = inputs(T=30, dtype=torch.float64)
     o_all, s_all = chunk_delta_rule(q, k, v, beta, g, chunk_size=8)
     o, s = chunk_delta_rule(q[:, :, :20], k[:, :, :20], v[:, :, :20], beta[:, :, :20], g[:, :, :20], chunk_size=8)
     outs = [o]
     for t in range(20, 30):
         o_t, s = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], s, g[:, :, t])
         outs.append(o_t[:, :, None])
-    torch.testing.assert_close(torch.cat(outs, 2), o_all, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_all, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(outs, 2), o_all, **F64)
+    torch.testing.assert_close(s, s_all, **F64)
 
 
 def test_unit_lower_solve_matches_torch_and_gradcheck():
@@ -145,23 +168,23 @@ def test_decay_exp_flushes_and_never_overflows():
 @pytest.mark.parametrize("T,C,init", [(50, 16, False), (50, 16, True), (1, 64, True), (64, 32, False)],
                          ids=["T50-C16", "T50-C16-init", "T1", "T64-C32"])
 def test_linear_attention_chunk_matches_recurrent(T, C, init):
-    q, k, v, _, _, s0 = inputs(T=T, gated=False, init=init)
+    q, k, v, _, _, s0 = inputs(T=T, gated=False, init=init, dtype=torch.float64)
     o_ref, s_ref = linear_attention_recurrent(q, k, v, s0)
     o, s = chunk_linear_attention(q, k, v, s0, chunk_size=C)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, o_ref, **F64)
+    torch.testing.assert_close(s, s_ref, **F64)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     grads = []
     for fn in (linear_attention_recurrent, lambda *a: chunk_linear_attention(*a, chunk_size=C)):
         o, s = fn(*leaves, s0)
         grads.append(torch.autograd.grad(o.pow(2).sum() + s.sum(), leaves))
     for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b, a, **F64)
     # decode: chunk prefill then steps
     o_all, _ = linear_attention_recurrent(q, k, v, s0)
     o1, s1 = chunk_linear_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], s0, chunk_size=C)
     o2, _ = linear_attention_step(q[:, :, -1], k[:, :, -1], v[:, :, -1], s1)
-    torch.testing.assert_close(o2, o_all[:, :, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o2, o_all[:, :, -1], **F64)
 
 
 # ----------------------------------------------------------------------------- transformers' Qwen3-Next
@@ -189,9 +212,11 @@ def test_parity_transformers_qwen3_next(form, group):
     l2 = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731  (their l2norm)
     qh = l2(q).repeat_interleave(group, 2).transpose(1, 2)
     kh = l2(k).repeat_interleave(group, 2).transpose(1, 2)
-    o, s = chunk_delta_rule(qh, kh, v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), s0)
-    torch.testing.assert_close(o.transpose(1, 2), o_hf, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_hf, atol=1e-5, rtol=1e-5)
+    args = (qh, kh, v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), s0)
+    (o, s), (o64, s64) = (chunk_delta_rule(*(x.to(dt) for x in args)) for dt in (torch.float32, torch.float64))
+    # transformers computes in fp32 internally: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(o.transpose(1, 2), o_hf, atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_hf, atol=gap_atol(s, s64), rtol=0)
 
 
 # ----------------------------------------------------------------------------- fla-core naive.py references
@@ -215,14 +240,19 @@ def _fla_naive(subdir: str):
 def test_parity_fla_naive_delta_rule():
     naive = _fla_naive("delta_rule")
     q, k, v, beta, _, s0 = inputs(T=64, gated=False, init=True)
-    o_ref, s_ref = naive.delta_rule_recurrence(q, k, v, beta, initial_state=s0.clone())
+    o_ref, s_ref = naive.delta_rule_recurrence(q, k, v, beta, initial_state=s0.clone())  # computes in fp32
     o, s = chunk_delta_rule(q, k, v, beta, None, s0, chunk_size=16)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
-    o_chunk, s_chunk = naive.delta_rule_chunkwise(q, k, v, beta, chunk_size=32)  # no initial state, T % 32 == 0
-    o, s = chunk_delta_rule(q, k, v, beta, chunk_size=32)
-    torch.testing.assert_close(o, o_chunk, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_chunk, atol=1e-5, rtol=1e-5)
+    q64, k64, v64, beta64, _, s064 = inputs(T=64, gated=False, init=True, dtype=torch.float64)
+    o64, s64 = chunk_delta_rule(q64, k64, v64, beta64, None, s064, chunk_size=16)
+    # fla's recurrence computes in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    # fla's chunkwise form follows its inputs' dtype: both in fp64
+    o_chunk, s_chunk = naive.delta_rule_chunkwise(q64, k64, v64, beta64, chunk_size=32)  # no initial state, T % 32 == 0
+    assert o_chunk.dtype == s_chunk.dtype == torch.float64
+    o, s = chunk_delta_rule(q64, k64, v64, beta64, chunk_size=32)
+    torch.testing.assert_close(o, o_chunk, **F64)
+    torch.testing.assert_close(s, s_chunk, **F64)
 
 
 @pytest.mark.parametrize("form", ["naive_recurrent_gated_delta_rule", "naive_chunk_gated_delta_rule"])
@@ -232,8 +262,10 @@ def test_parity_fla_naive_gated_delta_rule(form):
     t = lambda x: x.transpose(1, 2)  # noqa: E731  fla takes (B, T, H, D)
     o_ref, s_ref = getattr(naive, form)(t(q), t(k), t(v), beta=t(beta), g=t(g), initial_state=s0.clone(), output_final_state=True)
     o, s = chunk_delta_rule(q, k, v, beta, g, s0)
-    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    o64, s64 = chunk_delta_rule(*inputs(T=70, init=True, dtype=torch.float64))
+    # fla's naive forms compute in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(o, t(o_ref), atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
 
 
 def test_parity_fla_naive_linear_attention():
@@ -242,5 +274,8 @@ def test_parity_fla_naive_linear_attention():
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     o_ref, s_ref = naive.naive_recurrent_linear_attn(t(q), t(k), t(v), initial_state=s0, output_final_state=True)
     o, s = chunk_linear_attention(q, k, v, s0, chunk_size=16)
-    torch.testing.assert_close(o, t(o_ref), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    q64, k64, v64, _, _, s064 = inputs(T=50, gated=False, init=True, dtype=torch.float64)
+    o64, s64 = chunk_linear_attention(q64, k64, v64, s064, chunk_size=16)
+    # fla's naive form computes in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(o, t(o_ref), atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
