@@ -1,4 +1,6 @@
-"""MoE FFN: dispatch vs the dense reference, balancing losses, aux-loss-free bias, HF parity, in the LM."""
+"""MoE FFN: dispatch vs the dense reference, balancing losses, aux-loss-free bias, HF parity, in the LM.
+Tolerances: two forms of ours compare in fp64; the fp32-only _grouped_mm path and transformers' blocks (their
+routers compute in fp32) within FP32_FACTOR x the same computation's fp32-vs-fp64 gap (conftest.gap_atol)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +15,7 @@ from attnzoo.config import ConfigError, resolve_model
 from attnzoo.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig
 from attnzoo.model import DecoderLM
 from attnzoo.moe import MoE, MoEConfig, grouped_mm_works
+from tests.conftest import gap_atol
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 D = 32
@@ -26,6 +29,14 @@ def make_moe(d_model: int = D, dtype=torch.float32, seed: int = 0, **kw) -> MoE:
         for p in m.parameters():
             p.normal_(0.0, 0.3)
     return m
+
+
+def fp64_copy(m: MoE) -> MoE:
+    """The same MoE (weights, balancing state, impl) in fp64; the router still scores in fp32 (MoE.route)."""
+    m64 = MoE(m.cfg, m.router.in_features).double()
+    m64.load_state_dict(m.state_dict())
+    m64.impl = m.impl
+    return m64.train(m.training)
 
 
 def fwd_bwd(m: MoE, x: torch.Tensor, g: torch.Tensor, mask=None):
@@ -43,17 +54,17 @@ def fwd_bwd(m: MoE, x: torch.Tensor, g: torch.Tensor, mask=None):
 @pytest.mark.parametrize("expert_type", ["swiglu", "mlp"])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_one_expert_top1_equals_dense_ffn(expert_type, scoring, impl):
-    m = make_moe(n_experts=1, top_k=1, d_ff=48, expert_type=expert_type, scoring=scoring)
+    m = make_moe(n_experts=1, top_k=1, d_ff=48, expert_type=expert_type, scoring=scoring, dtype=torch.float64)
     m.impl = impl
     if expert_type == "swiglu":
-        dense = SwiGLU(SwiGLUConfig(d_ff=48), D)
+        dense = SwiGLU(SwiGLUConfig(d_ff=48), D).double()
         dense.gate_up.weight.data.copy_(m.w_up[0].T)
     else:
-        dense = MLP(MLPConfig(d_ff=48, bias=False), D)
+        dense = MLP(MLPConfig(d_ff=48, bias=False), D).double()
         dense.up.weight.data.copy_(m.w_up[0].T)
     dense.down.weight.data.copy_(m.w_down[0].T)
-    x = torch.randn(2, 7, D)
-    torch.testing.assert_close(m(x), dense(x), atol=1e-6, rtol=1e-6)
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    torch.testing.assert_close(m(x), dense(x), atol=1e-12, rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- dispatch vs dense reference
@@ -75,22 +86,37 @@ DISPATCH_CASES = {
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("case", list(DISPATCH_CASES), ids=list(DISPATCH_CASES))
 def test_dispatch_matches_dense_reference(case, masked, dispatch):
+    """The loop in fp64 against the reference in fp64 (1e-12); _grouped_mm (fp32 / bf16 only) in fp32 against
+    the reference in fp32, within FP32_FACTOR x the reference's own fp32-vs-fp64 gap."""
     if dispatch == "grouped_mm" and not grouped_mm_works(torch.device("cpu"), torch.float32):
         pytest.skip("torch._grouped_mm unavailable on this CPU build")
     m = make_moe(d_ff=16, dispatch=dispatch, **DISPATCH_CASES[case])
     torch.manual_seed(1)
     x, g = torch.randn(3, 11, D), torch.randn(3, 11, D)
     mask = (torch.rand(3, 11) > 0.3) if masked else None
+    fp32 = dispatch == "grouped_mm"
+    if not fp32:
+        m, x, g = m.double(), x.double(), g.double()
     y, gx, gp = fwd_bwd(m, x, g, mask)
     stats = m.stats()
     m.impl = "reference"
     y_ref, gx_ref, gp_ref = fwd_bwd(m, x, g, mask)
+    if fp32:
+        y64, gx64, gp64 = fwd_bwd(fp64_copy(m), x.double(), g.double(), mask)
+        tol = lambda ref, ref64: dict(atol=gap_atol(ref, ref64), rtol=0)  # noqa: E731
+    else:
+        y64, gx64, gp64 = y_ref, gx_ref, gp_ref
+        tol = lambda ref, ref64: dict(atol=1e-12, rtol=1e-12)  # noqa: E731
     assert y.abs().max() > 0.1  # a real output, not a vanishing one
-    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(gx, gx_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y, y_ref, **tol(y_ref, y64))
+    torch.testing.assert_close(gx, gx_ref, **tol(gx_ref, gx64))
     assert gp.keys() == gp_ref.keys() and {"router.weight", "w_up", "w_down"} <= gp.keys()
+    # the parameter gradient as one vector sets its tolerance: with top-1 renormalised weights the router's gradient
+    # is zero up to rounding, and its own size says nothing about how far a wrong gradient would be
+    flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(grads)])  # noqa: E731
+    gp_tol = tol(flat(gp_ref), flat(gp64))
     for name in gp:
-        torch.testing.assert_close(gp[name], gp_ref[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(gp[name], gp_ref[name], **gp_tol, msg=name)
     for k, v in m.stats().items():  # the two forms route identically
         torch.testing.assert_close(v, stats[k], msg=k)
 
@@ -144,18 +170,18 @@ def test_bf16_model_keeps_the_balancing_bias_fp32():
 def test_capacity_drops_overflow_and_padding_first():
     """E=2, K=1, every token to expert 0, cf=1 -> C=ceil(1*4*1/2)=2 rows. Token 0 is padding: it is
     dropped first, then the latest real token; dropped tokens get no routed output."""
-    m = make_moe(n_experts=2, top_k=1, d_ff=16, capacity_factor=1.0)
+    m = make_moe(n_experts=2, top_k=1, d_ff=16, capacity_factor=1.0, dtype=torch.float64)
     with torch.no_grad():
         m.router.weight.zero_()
         m.router.weight[0, 0] = 10.0
-    x = torch.randn(1, 4, D)
+    x = torch.randn(1, 4, D, dtype=torch.float64)
     x[..., 0] = 1.0  # logits (10, 0): expert 0 for all
     mask = torch.tensor([[False, True, True, True]])
     y = m(x, token_mask=mask)
     dense_e0 = m._act(x[0] @ m.w_up[0]) @ m.w_down[0]
     w0 = 1.0  # top-1 renormalised
-    torch.testing.assert_close(y[0, 1:3], w0 * dense_e0[1:3])
-    assert torch.equal(y[0, 0], torch.zeros(D)) and torch.equal(y[0, 3], torch.zeros(D))
+    torch.testing.assert_close(y[0, 1:3], w0 * dense_e0[1:3], atol=1e-12, rtol=1e-12)
+    assert torch.equal(y[0, 0], torch.zeros_like(y[0, 0])) and torch.equal(y[0, 3], torch.zeros_like(y[0, 3]))
     assert m.stats()["moe/dropped_frac"].item() == pytest.approx(1 / 3)  # 1 of 3 real tokens
     assert m.stats()["moe/load_max_over_mean"].item() == pytest.approx(2.0)
 
@@ -202,9 +228,12 @@ def test_aux_loss_matches_transformers_formula():
     x = torch.randn(2, 16, D)
     mask = torch.rand(2, 16) > 0.25
     m(x, token_mask=mask)
+    aux = m.stats()["moe/aux_loss"]
+    m64 = fp64_copy(m)
+    m64(x.double(), token_mask=mask)
     logits = m.router(x.view(-1, D))
-    hf = mixtral.load_balancing_loss_func((logits,), 8, 2, mask.long())
-    torch.testing.assert_close(m.stats()["moe/aux_loss"], hf / 2, rtol=1e-5, atol=1e-6)
+    hf = mixtral.load_balancing_loss_func((logits,), 8, 2, mask.long())  # casts to fp32 inside
+    torch.testing.assert_close(aux, hf / 2, atol=gap_atol(aux, m64.stats()["moe/aux_loss"]), rtol=0)
 
 
 def test_disabled_losses_leave_no_aux_loss():
@@ -269,14 +298,14 @@ def test_lightning_training_step_adds_aux_loss():
 
 
 def test_padding_does_not_count_in_balance():
-    m = make_moe(n_experts=4, top_k=1, d_ff=16)
-    x = torch.randn(1, 8, D)
+    m = make_moe(n_experts=4, top_k=1, d_ff=16, dtype=torch.float64)
+    x = torch.randn(1, 8, D, dtype=torch.float64)
     mask = torch.tensor([[True] * 4 + [False] * 4])
     m(x, token_mask=mask)
     masked = m.stats()
     m(x[:, :4])
     for k in ("moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean", "moe/routing_entropy"):
-        torch.testing.assert_close(masked[k], m.stats()[k], msg=k)
+        torch.testing.assert_close(masked[k], m.stats()[k], atol=1e-12, rtol=1e-12, msg=k)
 
 
 # ----------------------------------------------------------------------------- aux-loss-free balancing
@@ -353,9 +382,12 @@ def _compare(ours: MoE, hf_block, hf_router, x: torch.Tensor, k: int, choice_fn)
         _, _, idx, _ = ours.route(x.view(-1, x.shape[-1]))
         assert torch.equal(idx.sort(-1).values, hf_idx.sort(-1).values)
         y_hf = hf_block(x.clone())
+        ours64 = fp64_copy(ours)
         for impl in ("fast", "reference"):
-            ours.impl = impl
-            torch.testing.assert_close(ours(x), y_hf, atol=1e-5, rtol=1e-5)
+            ours.impl = ours64.impl = impl
+            y = ours(x)
+            # transformers' routers compute in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
+            torch.testing.assert_close(y, y_hf, atol=gap_atol(y, ours64(x.double())), rtol=0)
 
 
 def test_parity_mixtral_sparse_moe_block():
