@@ -12,7 +12,7 @@ from attnzoo.packing import Documents, masked_conv
 from attnzoo.registry import MIXERS
 from attnzoo.train import train
 from attnzoo.validation import validate
-from tests.conftest import SMALL_TEXT, compose_cfg, tiny_model_cfg
+from tests.conftest import SMALL_TEXT, compose_cfg, gap_atol, tiny_model_cfg
 
 LENGTHS = [[5, 12, 3, 20], [1, 30, 9]]  # two rows of 40 tokens, 7 documents (one of a single token)
 T = 40
@@ -210,7 +210,7 @@ def test_loss_on_a_packed_batch_is_the_token_mean_over_documents(tmp_path):
     from attnzoo.lit import LitLM
 
     cfg = {"model": tiny_model_cfg("gated_deltanet"), "trainer": {"max_steps": 1}}
-    lit = LitLM(cfg, vocab_size=50)
+    lit = LitLM(cfg, vocab_size=50).double()  # fp64 model; the loss's cross entropy runs on fp32 logits
     ids = packed_ids()
     torch.manual_seed(3)
     x, y = torch.randint(0, 50, (2, T)), torch.randint(0, 50, (2, T))
@@ -222,7 +222,12 @@ def test_loss_on_a_packed_batch_is_the_token_mean_over_documents(tmp_path):
             sel = (ids[b] == d).nonzero().squeeze(1)
             logits = lit.model(x[b:b + 1, sel])[0]
             ce.append(torch.nn.functional.cross_entropy(logits, y[b, sel], reduction="sum"))
-    torch.testing.assert_close(loss, torch.stack(ce).sum() / (2 * T), rtol=1e-5, atol=1e-6)
+    want = torch.stack(ce).sum() / (2 * T)  # in fp64
+    # the loss's own rounding: its fp32 cross entropy against the fp64 one on the same logits, x FP32_FACTOR
+    logits = lit.model(x, documents=Documents(ids)).flatten(0, 1)
+    ce = torch.nn.functional.cross_entropy
+    atol = gap_atol(ce(logits.float(), y.flatten()), ce(logits, y.flatten()))
+    torch.testing.assert_close(loss.double(), want, atol=atol, rtol=0)
     assert lit.tokens_in_batch((x, y, ones, ones, ids)) == 2 * T
     pad = ones.clone()
     pad[1, 30:] = False
