@@ -220,7 +220,8 @@ def test_export_round_trip(case, tmp_path):
     # and back: importing the export gives the same tensors
     again = import_dir(tmp_path)
     for k, v in ours.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[k], v, atol=1e-6, rtol=0)
+        # copies, except Qwen3-Next's zero-centred norms (w - 1 out, + 1 back): one fp32 rounding at size 1
+        torch.testing.assert_close(again.state_dict()[k], v, atol=torch.finfo(torch.float32).eps, rtol=0, msg=k)
 
 
 # ----------------------------------------------------------------------------- refusals, one line each
