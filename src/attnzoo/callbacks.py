@@ -111,6 +111,20 @@ class ThroughputMonitor(L.Callback):
         self._elapsed, self._tokens, self._steps = float(state["elapsed"]), int(state["tokens"]), int(state["steps"])
 
 
+class TrainingSpend(L.Callback):
+    """Logs `train/tokens` and `train/flops` after every optimizer step: what the run has trained on so far,
+    all ranks together (steps x tokens per step, x the model's training FLOPs per token; attnzoo/stops.py)."""
+
+    def __init__(self, length) -> None:
+        self.length = length
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        pl_module.log_dict({"train/tokens": float(step * self.length.tokens_per_step),
+                            "train/flops": float(step * self.length.flops_per_step)},
+                           on_step=True, on_epoch=False, rank_zero_only=True)
+
+
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM (what SLURM sends before preemption) every rank stops after the same batch and this writes
     last.ckpt (atomically) so a requeued job resumes.

@@ -108,7 +108,10 @@ class TrainerConfig:
     devices: Any = 1
     num_nodes: int = 1
     strategy: Any = "auto"
-    max_steps: int = 1000
+    max_steps: Optional[int] = 1000  # null: the length is the budget's alone (max_tokens / max_flops)
+    # budgets (attnzoo/stops.py): the run stops at whichever of max_steps / max_tokens / max_flops comes first
+    max_tokens: Optional[float] = None  # training tokens, all ranks together (decoder LMs)
+    max_flops: Optional[float] = None  # training FLOPs by the model's own count (3x forward per token; decoder LMs)
     precision: str = "32-true"
     gradient_clip_val: Optional[float] = 1.0
     accumulate_grad_batches: int = 1
@@ -132,7 +135,8 @@ class TrainerConfig:
         from dataclasses import asdict
 
         kw = asdict(self)
-        for own in ("context_parallel", "context_parallel_layout", "activation_checkpointing", "ce_chunk_tokens"):
+        for own in ("context_parallel", "context_parallel_layout", "activation_checkpointing", "ce_chunk_tokens",
+                    "max_tokens", "max_flops"):
             kw.pop(own)
         return kw
 

@@ -139,7 +139,7 @@ def format_summary(summary: dict) -> str:
         f"MFU {g('perf/mfu', '{:.1%}')} (peak {summary['peak_flops'] / 1e9:,.1f} GFLOP/s, {summary['peak_source']})",
         f"  kv-cache   {g('cache/bytes_per_token', '{:,.0f}')} bytes/token   {g('cache/bytes_at_ctx', '{:,.0f}')} bytes "
         f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s",
-        f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}",
+        f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}" + spent(summary.get("length")),
     ]
     if "val/loss_kvq" in m:  # inference.kv_cache_dtype other than fp32: bytes above are that format's
         kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
@@ -291,6 +291,7 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
             return {"status": "preempted", "global_step": summary["global_step"]}
         return summary["metrics"]
     family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
+    parts["length"] = resolve_run_length(run, parts["data"], lit, family, container)
     if on_accept is not None:
         on_accept()
     out.mkdir(parents=True, exist_ok=True)
@@ -337,11 +338,33 @@ def build_module(container: dict, dm, run):
     return family, lit
 
 
+def resolve_run_length(run, data_cfg, lit, family, container: dict):
+    """trainer.max_steps / max_tokens / max_flops -> the run's steps (attnzoo/stops.py), written where the
+    Trainer, the learning-rate schedule and the saved config read them. None for families other than the
+    decoder LM (their length is max_steps; no token or FLOP budget)."""
+    from .flops import train_flops_per_token
+    from .launch import requested_devices
+    from .stops import run_length, tokens_per_step
+
+    t = run.trainer
+    if family.name != "decoder":
+        return None
+    data_parallel = max(1, requested_devices(t) * t.num_nodes // t.context_parallel)
+    length = run_length(t.max_steps, t.max_tokens, t.max_flops,
+                        tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel),
+                        train_flops_per_token(lit.model, data_cfg.seq_len))
+    if length.limit != "trainer.max_steps" or t.max_steps is None:
+        t.max_steps = container["trainer"]["max_steps"] = lit.max_steps = length.steps
+        print(f"attnzoo: {length.limit}={getattr(t, length.limit.split('.')[1]):.4g} -> {length.steps} steps of "
+              f"{length.tokens_per_step:,} tokens ({length.flops_per_step:.3g} FLOPs) each", flush=True)
+    return length
+
+
 def build_trainer(parts: dict, out: Path, loggers: list):
     """The Lightning Trainer with the run's callbacks; returns (trainer, throughput monitor)."""
     import lightning as L
 
-    from .callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor
+    from .callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
     from .checkpoint import AtomicCheckpointIO
     from .data.sampling import DataPositionCallback
 
@@ -356,6 +379,7 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         DataPositionCallback(),  # first: the data position must be current when checkpoints are written
         PreemptionCheckpoint(out / "checkpoints" / "last.ckpt"),
         throughput,
+        *([TrainingSpend(parts["length"])] if parts.get("length") else []),  # train/tokens, train/flops
         *[RowBeforeCheckpoint(lg) for lg in csv_loggers],  # the step's CSV row (perf included) before its checkpoint
         # last.ckpt every `ckpt_every` steps (resume point) and at the final step; written to a temp file, renamed
         RunCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
@@ -467,6 +491,13 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     return metrics
 
 
+def spent(length: dict | None) -> str:
+    """The summary's note on what the run trained on: `(trainer.max_flops: 3,072 tokens, 2.19e+09 FLOPs)`."""
+    if not length:
+        return ""
+    return f"   ({length['limit']}: {length['tokens']:,} tokens, {length['flops']:.3g} FLOPs)"
+
+
 def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container, out: Path, t_start: float) -> dict:
     """summary.json's content: status, metrics, what the model really is (per layer), data, a text sample."""
     run, data_cfg = parts["run"], parts["data"]
@@ -499,6 +530,8 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
                  **getattr(dm, "info", {})},
         **lit.summary_sections(),  # the module's own record (experiment=linearize: what was replaced)
         **kv_quant_section(run, model, data_cfg.seq_len),
+        **({"length": parts["length"].summary(run.trainer.max_tokens, run.trainer.max_flops)}
+           if parts.get("length") else {}),
         "seed": run.seed,
         "world_size": trainer.world_size,
         "sample": sample,

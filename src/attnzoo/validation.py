@@ -165,6 +165,28 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     check_layout(data.seq_len, cp, resolve_layout(t.context_parallel_layout, [mc.name for mc in mixers]), tail)
 
 
+def _check_length(run: Any, model: ModelConfig) -> None:
+    """trainer.max_steps / max_tokens / max_flops (attnzoo/stops.py): positive or null, at least one given;
+    the budgets for decoder LMs (their FLOPs per token are the model's own count), not with linearize's
+    stage plan."""
+    t = run.trainer
+    check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps",
+          f"must be positive (or null with trainer.max_tokens / max_flops), got {t.max_steps}")
+    for key in ("max_tokens", "max_flops"):
+        value = getattr(t, key)
+        if value is None:
+            continue
+        check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, f"trainer.{key}",
+              f"must be positive or null, got {value!r}")
+        fam = family_of(model)
+        check(fam.name == "decoder", f"trainer.{key}", f"is for decoder LMs; allowed with model={model.name} "
+              f"({fam.name} family): null (trainer.max_steps)")
+        check(run.linearize is None, f"trainer.{key}", "with experiment=linearize: its stages set the steps; "
+              "allowed: null")
+    check(t.max_steps is not None or t.max_tokens is not None or t.max_flops is not None, "trainer.max_steps",
+          "is null and no budget is set; allowed: a positive number of steps, or trainer.max_tokens / max_flops")
+
+
 def _check_packing(run: Any, model: ModelConfig, data: Any) -> None:
     """data.packing / data.pad_documents: a decoder LM trained by attnzoo-train's LM module on one process per
     sequence (the teacher of experiment=linearize and ring attention take no document masks)."""
@@ -262,7 +284,7 @@ def validate(cfg: DictConfig) -> dict:
     check(run.scheduler.warmup_steps >= 0, "scheduler.warmup_steps", f"must be >= 0, got {run.scheduler.warmup_steps}")
     check(0 <= run.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
           f"must be in [0, 1] (a fraction of optim.lr), got {run.scheduler.min_lr_ratio}")
-    check(run.trainer.max_steps > 0, "trainer.max_steps", "must be positive")
+    _check_length(run, model)
     _check_trainer(run.trainer)
     _check_callbacks(callbacks_node or {}, data, model)
     _check_output_dir(run.paths.output_dir)
