@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attnzoo.bench.context_parallel import CASES, run_check
+from attnzoo.bench.context_parallel import CASES, run_check, tolerance
 from attnzoo.config import ConfigError
 from attnzoo.parallel import Layout, MaskSpec, check_layout, resolve_layout
 from attnzoo.registry import MIXERS
@@ -89,8 +89,9 @@ def _assert_equal(rows):
     assert rows, "no results"
     for r in rows:
         assert "error" not in r, r
-        tol = 1e-10 if r["dtype"] == "float64" else 1e-5
-        assert r["out err"] <= tol and r["grad err"] <= tol, r
+        out_tol, grad_tol = tolerance(r)  # float32: 10x the one-process run's own float32-vs-float64 gap
+        assert out_tol < 1e-4 and grad_tol < 1e-4, r  # far below what a sharding bug moves (O(0.1))
+        assert r["out err"] <= out_tol and r["grad err"] <= grad_tol, r
 
 
 def test_every_mixer_sharded_on_two_processes_equals_one_process():
