@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from attnzoo.model import DecoderLM  # noqa: E402
-from tests.conftest import fp32_atol  # noqa: E402
+from tests.conftest import fp32_atol, gap_atol  # noqa: E402
 from tests.test_hf_parity_attention import RTOL, V, build_hf, copy_attention, copy_common, hf_common  # noqa: E402
 
 L0 = 16
@@ -40,7 +40,9 @@ def test_frequencies_equal_transformers(case, head_dim):
     hf_params, ours = CASES[case]
     want, want_att = ROPE_INIT_FUNCTIONS[hf_params["rope_type"]](hf_config(hf_params, head_dim), "cpu")
     got, got_att = rope_frequencies(head_dim, 10000.0, hf_params["rope_type"], **ours)
-    torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-6)
+    got64, _ = rope_frequencies(head_dim, 10000.0, hf_params["rope_type"], **ours, dtype=torch.float64)
+    # transformers computes them in fp32: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(got, want.float(), atol=gap_atol(got, got64), rtol=0)
     assert got_att == pytest.approx(want_att, abs=1e-12)
     assert not torch.allclose(got, rope_frequencies(head_dim, 10000.0)[0])  # the scaling changed something
 
@@ -50,7 +52,9 @@ def test_dynamic_ntk_equals_transformers_at_every_length(seq_len):
     cfg = hf_config({"rope_type": "dynamic", "factor": 2.0})
     want, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=seq_len)
     got, _ = rope_frequencies(16, 10000.0, "dynamic", factor=2.0, original_max_len=L0, seq_len=seq_len)
-    torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-6)
+    got64, _ = rope_frequencies(16, 10000.0, "dynamic", factor=2.0, original_max_len=L0, seq_len=seq_len,
+                                dtype=torch.float64)
+    torch.testing.assert_close(got, want.float(), atol=gap_atol(got, got64), rtol=0)  # as above
     if seq_len <= L0:
         torch.testing.assert_close(got, rope_frequencies(16, 10000.0)[0])
 
@@ -62,7 +66,7 @@ def test_linear_interpolation_is_rotation_at_position_over_factor():
     plain = RotaryEmbedding(16)
     a = scaled(x, pos)
     b = plain(x, pos.double() / 4.0)
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)  # exact: / 4 only moves the exponent, on either side
 
 
 @pytest.mark.parametrize("case", ["linear", "yarn-4", "llama3", "dynamic"])
@@ -103,7 +107,10 @@ def test_alibi_slopes_equal_bloom(heads):
 
     T = 10
     bloom = build_alibi_tensor(torch.ones(1, T), heads, torch.float32).view(heads, T)
-    torch.testing.assert_close(alibi_slopes(heads)[:, None] * torch.arange(T), bloom, atol=1e-6, rtol=1e-6)
+    ours = alibi_slopes(heads)[:, None] * torch.arange(T)
+    ours64 = alibi_slopes(heads, torch.float64)[:, None] * torch.arange(T, dtype=torch.float64)
+    # BLOOM computes its slopes in fp32: FP32_FACTOR x our own fp32-vs-fp64 gap
+    torch.testing.assert_close(ours, bloom, atol=gap_atol(ours, ours64), rtol=0)
 
 
 @pytest.mark.parametrize("mixer", ["mha", "gqa", "mqa"])

@@ -16,7 +16,7 @@ SCALINGS = ROPE_SCALINGS
 def rope_frequencies(dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
                      original_max_len: int | None = None, seq_len: int | None = None, beta_fast: float = 32.0,
                      beta_slow: float = 1.0, low_freq_factor: float = 1.0,
-                     high_freq_factor: float = 4.0) -> tuple[torch.Tensor, float]:
+                     high_freq_factor: float = 4.0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float]:
     """(inverse frequencies (dim/2,), factor on cos/sin) of RoPE over `dim` rotating channels, under a
     context-extension scaling (the same definitions as transformers' ROPE_INIT_FUNCTIONS; tested equal):
 
@@ -29,7 +29,7 @@ def rope_frequencies(dim: int, theta: float, scaling: str = "none", factor: floa
       llama3   Llama 3.1: wavelengths longer than L0 / low_freq_factor interpolated, shorter than
                L0 / high_freq_factor kept, smoothly blended in between
     """
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim  # dtype: fp32 as transformers (fp64: tests)
     if scaling == "dynamic":
         L = max(seq_len or original_max_len, original_max_len)
         theta = theta * ((factor * L / original_max_len) - (factor - 1)) ** (dim / (dim - 2))
@@ -43,7 +43,7 @@ def rope_frequencies(dim: int, theta: float, scaling: str = "none", factor: floa
             return dim * math.log(original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
         low, high = max(math.floor(turns_dim(beta_fast)), 0), min(math.ceil(turns_dim(beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=dtype) - low) / ((high - low) or 0.001)).clamp(0, 1)
         keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (frequency / factor)
         inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
         return inv_freq, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0

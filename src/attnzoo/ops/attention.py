@@ -26,13 +26,13 @@ def attention_mask(
     return mask
 
 
-def alibi_slopes(n_heads: int) -> torch.Tensor:
+def alibi_slopes(n_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """ALiBi's per-head slopes (Press et al. 2022; BLOOM's tensor): for the largest power of two p <= H,
     2^(-8/p), 2^(-16/p), ...; the remaining H - p heads take every other slope of 2p heads."""
     p = 2 ** math.floor(math.log2(n_heads))
     slopes = [2.0 ** (-8.0 * (i + 1) / p) for i in range(p)]
     slopes += [2.0 ** (-4.0 * (2 * i + 1) / p) for i in range(n_heads - p)]  # base 2^(-8 / 2p), odd powers
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=dtype)
 
 
 def alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int, *, causal: bool, q_offset: Optional[int] = None,
