@@ -117,6 +117,8 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", "attnzoo.worker", str(job)], env=env,
                                       stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
+        if stdout is not None:
+            stdout.close()  # the worker holds its own copy of the descriptor
     record_workers(out, [p.pid for p in procs])  # the run dir stays locked while any of them lives
     with _forward_sigterm(procs):
         try:
