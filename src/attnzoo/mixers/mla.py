@@ -109,6 +109,9 @@ class MLAConfig:
         dr = self.sizes(model)["qk_rope_head_dim"]
         if dr % 2:
             raise ConfigError(f"must be even (RoPE rotates pairs), got {dr}", field=f"{field}.qk_rope_head_dim")
+        if model.position.name == "rope" and getattr(model.position, "scaling", "none") == "dynamic" and dr <= 2:
+            raise ConfigError(f"{dr} rotates 2 channels; dynamic NTK scales theta by a power dim/(dim-2); allowed "
+                              f"with model.position.scaling=dynamic: >= 4", field=f"{field}.qk_rope_head_dim")
         validate_conv(self, field)
 
 
