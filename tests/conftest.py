@@ -110,3 +110,20 @@ def assert_learns(run_dir, *, falls: bool = True, below_uniform: bool = True) ->
     if below_uniform:
         vocab = json.loads((Path(run_dir) / "summary.json").read_text())["model"]["vocab_size"]
         assert val[-1] < math.log(vocab), (val, vocab)
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_to_closed_streams():
+    """A handler created during one test can hold that test's captured stream (capsys, or a run's console tee
+    around it) - Hydra's job logging of an in-process run, a library's handler made on first import. Once the
+    test ends the stream is closed, and a later test's log record prints '--- Logging error ---' to stderr
+    (seen in random order: a one-line refusal became a traceback). Each test leaves no handler on a closed
+    stream."""
+    import logging
+
+    yield
+    for lg in [logging.getLogger()] + [x for x in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(x, logging.Logger)]:
+        for h in list(lg.handlers):
+            if isinstance(h, logging.StreamHandler) and getattr(getattr(h, "stream", None), "closed", False):
+                lg.removeHandler(h)
