@@ -64,3 +64,17 @@ def unwritable(path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is read-only"
     return None
+
+
+def check_dir_path(path: Path, field: str, *, allowed: str, allowed_under: str, empty: bool = False) -> None:
+    """`path` can be (or become) a directory this command writes into: not a file, (with `empty`) new or empty,
+    under a writable directory. One line naming `field` (ConfigError), before any work."""
+    from .errors import ConfigError
+
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file; allowed: {allowed}", field=field)
+    if empty and path.is_dir() and any(path.iterdir()):
+        raise ConfigError(f"{path} exists and is not empty; allowed: {allowed}", field=field)
+    why = unwritable(path)
+    if why:
+        raise ConfigError(f"{path} cannot be created ({why}); allowed: {allowed_under}", field=field)

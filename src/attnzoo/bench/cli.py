@@ -65,16 +65,12 @@ def write_result(name: str, result: dict, out: Path, argv: list[str]) -> tuple[P
 def check_common(args) -> None:
     """--threads and --out, one line each (ConfigError) before any benchmark runs."""
     from ..errors import ConfigError
-    from ..paths import unwritable
+    from ..paths import check_dir_path
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"must be >= 1, got {args.threads}; allowed: omit it for torch's default", field="--threads")
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file; allowed: a folder (new or existing)", field="--out")
-    why = unwritable(out)
-    if why:
-        raise ConfigError(f"{out} cannot be created ({why}); allowed: a folder under a writable directory", field="--out")
+    check_dir_path(Path(args.out).expanduser(), "--out", allowed="a folder (new or existing)",
+                   allowed_under="a folder under a writable directory")
 
 
 def main(argv: list[str] | None = None) -> None:

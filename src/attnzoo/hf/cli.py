@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-from ..paths import follow_umask, unwritable
+from ..paths import check_dir_path, follow_umask
 from .archs import FIELD, _no, arch_for
 from .configs import config_from_hf, hf_config
 from .weights import hf_state_dict, load_hf_weights, read_hf_config, read_hf_state_dict, safetensors_files
@@ -57,13 +57,8 @@ def write_tokenizer(tokenizer, out: Path, max_len: int) -> Optional[int]:
 def check_export_dir(out: Path, field: str = "OUT_DIR", empty: bool = False) -> None:
     """`out` can become the export directory: not a file, under a writable directory (and, with `empty`,
     new or an empty directory). One line, before any work."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file; allowed: a new or empty directory", field=field)
-    if empty and out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty; allowed: a new or empty directory", field=field)
-    why = unwritable(out)
-    if why:
-        raise ConfigError(f"{out} cannot be created ({why}); allowed: a path under a writable directory", field=field)
+    check_dir_path(out, field, allowed="a new or empty directory", allowed_under="a path under a writable directory",
+                   empty=empty)
 
 
 def export_model(model, out_dir: str | Path, tokenizer=None) -> dict:
