@@ -50,8 +50,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from attnzoo.errors import ConfigError
-    from attnzoo.train import train
+    from attnzoo.config.errors import ConfigError
+    from attnzoo.training.run import train
     from tests.conftest import compose_cfg
     from tests.test_bad_input import _cases, base_for
 

@@ -88,8 +88,8 @@ def config_check(args: list[str], env: dict) -> subprocess.CompletedProcess:
     configs, one at a time, so Hydra's global state is never shared between threads."""
     args = [a for a in first_values(args) if a not in ("-m", "--multirun") and not a.startswith("hydra")]
     from attnzoo.api import load_config
-    from attnzoo.train import check_group_overrides
-    from attnzoo.validation import validate
+    from attnzoo.training.run import check_group_overrides
+    from attnzoo.training.config_checks import validate
 
     try:
         code = check_group_overrides(args)
@@ -110,7 +110,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
     if argv[:3] == ["python", "-m", "pytest"]:
         return "skipped: the test suite itself (it runs this check)", None
     if argv[0] in ("torchrun", "srun"):
-        i = next(j for j, a in enumerate(argv) if a.endswith("attnzoo-train") or a == "attnzoo.train")
+        i = next(j for j, a in enumerate(argv) if a.endswith("attnzoo-train") or a == "attnzoo.training.run")
         return "config checked (multi-node launcher)", config_check(argv[i + 1:], env)
     tool, args = argv[0], argv[1:]
     if tool == "attnzoo-train":
@@ -121,7 +121,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         if not multirun and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args):
             sweep_dirs["<run>"] = tmp / f"train{n}"  # a decoder LM on text: what attnzoo-generate / -eval use
         stages = ["linearize.stage1_steps=1", "linearize.stage2_steps=1"] if "experiment=linearize" in args else []
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.train", *args, *SMOKE, *stages, where],
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.training.run", *args, *SMOKE, *stages, where],
                                      env=env, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-sweep":
         name, rest = args[0], args[1:]
@@ -131,13 +131,13 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
             sweep_dirs[given] = d
         rest = [a for a in rest if not a.startswith("hydra.sweep.dir=")]
         return "ran (first grid point)", subprocess.run(
-            [sys.executable, "-m", "attnzoo.sweep", name, *rest, *sweep_first_point(name), *SMOKE, f"hydra.sweep.dir={d}"],
+            [sys.executable, "-m", "attnzoo.cli.sweep", name, *rest, *sweep_first_point(name), *SMOKE, f"hydra.sweep.dir={d}"],
             env=env, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-report":
         d = sweep_dirs.get(args[0])
         if d is None:
             return f"failed: {args[0]} is not a sweep dir made by an earlier README command", None
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.report", str(d)], env=env, capture_output=True,
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.analysis.report", str(d)], env=env, capture_output=True,
                                      text=True, timeout=300)
     if tool in ("attnzoo-generate", "attnzoo-eval"):
         run_dir = sweep_dirs.get("<run>")
@@ -148,7 +148,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         args = [str(run_dir) if "<run>" in a else str(tmp / a) if a in ("prompts.txt", "other_corpus.txt") else a
                 for a in args]
         module = "generate_main" if tool == "attnzoo-generate" else "eval_main"
-        code = f"import sys; from attnzoo.inference import {module}; {module}(sys.argv[1:])"
+        code = f"import sys; from attnzoo.inference.generate import {module}; {module}(sys.argv[1:])"
         return "ran", subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                                      timeout=600)
     if tool == "attnzoo-export":  # the README's last decoder run on text, out to a dir under the temp home
@@ -156,7 +156,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         if run_dir is None:
             return "failed: no earlier README training run to use", None
         args = [str(run_dir) if "<run>" in a else a for a in args]
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.hf", *args], env=env, capture_output=True,
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.cli.export", *args], env=env, capture_output=True,
                                      text=True, timeout=600)
     if tool == "attnzoo-lm-eval":  # the README's last text run; the hub tasks replaced by one local task
         run_dir = sweep_dirs.get("<run>")
@@ -176,7 +176,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         args[i + 1] = "readme_smoke_mc"
         offline = {**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         return "ran (a local task)", subprocess.run(
-            [sys.executable, "-m", "attnzoo.lm_eval_adapter", *args, "--include_path", str(tasks),
+            [sys.executable, "-m", "attnzoo.inference.lm_eval", *args, "--include_path", str(tasks),
              "--output_path", str(tmp / "lm_eval_out")], env=offline, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-bench":
         return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),

@@ -5,7 +5,7 @@ here (best of 5 sums of a 256 MiB buffer), against decode tokens/s measured by `
     .venv/bin/python scripts/decode_roofline.py
 """
 import time, torch
-from attnzoo.model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 torch.set_num_threads(2)
 m = DecoderLM({"d_model": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2, "tie_embeddings": False, "mixer": {"name": "gqa"},
                "ffn": {"name": "swiglu", "d_ff": 1376}, "max_seq_len": 9000}, vocab_size=2048)

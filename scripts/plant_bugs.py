@@ -40,14 +40,14 @@ BUGS = [
      "q_offset=q_offset, dtype=q.dtype)\n        if False:  # PLANTED: impl ignored\n", [CONTRACT, "-k", "gqa"],
      r"[\[-]gqa[-+\]]"),
     ("training FLOPs 2x forward instead of 3x (perf/flops_per_token, perf/mfu)",
-     "src/attnzoo/flops.py", "    return 3.0 * model.flops_per_token(context_len)\n",
+     "src/attnzoo/models/flops.py", "    return 3.0 * model.flops_per_token(context_len)\n",
      "    return 2.0 * model.flops_per_token(context_len)  # PLANTED\n",
      ["tests/test_flops_exact.py", "tests/test_train_e2e.py", "-k", "three_forwards or loss_falls"], None),
     ("budget search rounds the width up instead of to the closest",
-     "src/attnzoo/budget.py", "    best = min({max(1, lo - 1), lo}, key=lambda w: abs(f(w) - params))\n",
+     "src/attnzoo/training/budget.py", "    best = min({max(1, lo - 1), lo}, key=lambda w: abs(f(w) - params))\n",
      "    best = lo  # PLANTED\n", ["tests/test_sweeps.py", "-k", "budget"], None),
     ("resume restores every random generator except numpy's",
-     "src/attnzoo/lit.py", '    np.random.set_state(("MT19937", nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], '
+     "src/attnzoo/training/lit_lm.py", '    np.random.set_state(("MT19937", nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], '
      'nps["cached"]))\n', "    pass  # PLANTED: numpy's state not restored\n",
      ["tests/test_resume.py", "-k", "generator"], None),
     ("MoBA's FLOPs one key per position off",

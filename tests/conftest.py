@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from attnzoo.paths import CONF_DIR
+from attnzoo.config.paths import CONF_DIR
 
 # Tiny test models run fastest on one thread (no OpenMP hand-offs per op); the suite runs two test workers side
 # by side (pyproject addopts), so the processes tests start (DDP workers, CLI runs) take one thread each too.

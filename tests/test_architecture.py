@@ -15,7 +15,7 @@ def test_import_layers_kept():
 
 
 def test_every_module_is_in_a_layer():
-    """A new top-level module must be placed in the contract, or the contract silently ignores it."""
+    """A new subpackage (or top-level module) must be placed in the contract, or the contract silently ignores it."""
     import tomllib
 
     layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
@@ -24,3 +24,13 @@ def test_every_module_is_in_a_layer():
     modules = {f"attnzoo.{p.stem}" for p in pkg.glob("*.py") if p.stem != "__init__"}
     modules |= {f"attnzoo.{p.name}" for p in pkg.iterdir() if (p / "__init__.py").is_file()}
     assert modules <= listed, f"modules missing from [tool.importlinter] layers: {sorted(modules - listed)}"
+
+
+def test_the_tree_shows_the_architecture():
+    """The code lives in the subpackages (docs/architecture.md): at most 6 modules at the top of src/attnzoo,
+    and no file so long that it holds more than one room (500 lines)."""
+    pkg = ROOT / "src" / "attnzoo"
+    top = sorted(p.name for p in pkg.glob("*.py"))
+    assert len(top) <= 6, top
+    long = {str(p.relative_to(pkg)): n for p in pkg.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"files over 500 lines: {long}"

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnzoo.model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.attention import attention_mask, attention_reference, attention_sdpa
 from tests.conftest import gap_atol, tiny_model_cfg
 

@@ -6,13 +6,13 @@ import torch
 
 from attnzoo.mixers.attention import SlidingWindowCache
 from attnzoo.mixers.mla import LatentCache
-from attnzoo.config import ConfigError, resolve_model
+from attnzoo.config.schema import ConfigError, resolve_model
 from attnzoo.mixers.attention import Attention, SlidingWindowAttention, decode_sdpa
 from attnzoo.mixers.base import causal_attended
-from attnzoo.model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.attention import attention_mask, attention_reference
 from attnzoo.ops.sliding_window import sliding_window_sdpa
-from attnzoo.registry import MIXERS
+from attnzoo.config.registry import MIXERS
 
 W = 4  # small window so every test crosses it
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}

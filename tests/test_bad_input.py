@@ -4,10 +4,10 @@ One case per row of the table in docs/reliability.md."""
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.paths import CONF_DIR
-from attnzoo.registry import FFNS, MIXERS
-from attnzoo.train import check_group_overrides, train
+from attnzoo.config.schema import ConfigError
+from attnzoo.config.paths import CONF_DIR
+from attnzoo.config.registry import FFNS, MIXERS
+from attnzoo.training.run import check_group_overrides, train
 from tests.conftest import compose_cfg
 
 FAST = ["debug=smoke", "data.max_chars=300000", "data.tokenizer=char"]
@@ -268,7 +268,7 @@ def test_valid_group_options_pass():
 
 def test_several_loggers_at_once(tmp_path):
     """`logger=[tensorboard,wandb]` (Hydra's list syntax) composes both loggers into one run."""
-    from attnzoo.validation import validate
+    from attnzoo.training.config_checks import validate
 
     parts = validate(compose_cfg(FAST + ["logger=[tensorboard,wandb]"], tmp_path / "run"))
     assert {"csv", "tensorboard", "wandb"} <= set(parts["logger"])
@@ -278,7 +278,7 @@ def test_low_disk_is_refused_before_work(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    import attnzoo.validation as v
+    import attnzoo.training.config_checks as v
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(v.shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (5 << 20), 5 << 20))
@@ -292,7 +292,7 @@ def test_disk_full_during_the_run_is_one_line(tmp_path, monkeypatch):
     """ENOSPC while writing a checkpoint: one line naming the output dir and how to resume, no traceback."""
     import errno
 
-    from attnzoo.checkpoint import AtomicCheckpointIO
+    from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 
     def full(self, checkpoint, path, storage_options=None):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -308,7 +308,7 @@ def test_misspelt_key_without_plus_is_one_line_from_the_cli(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "model.n_head=4", f"hydra.run.dir={tmp_path}/r"],
+    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "model.n_head=4", f"hydra.run.dir={tmp_path}/r"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -320,7 +320,7 @@ def test_misspelt_key_without_plus_is_one_line_from_the_cli(tmp_path):
 def test_sweep_unknown_key_is_the_same_one_line_as_train(extra, tmp_path, capsys):
     """`attnzoo-sweep NAME model.n_head=4`: attnzoo-train's one-line refusal (check_unknown_keys, here on the
     sweep's composed first job), exit status 2, before Hydra makes the sweep dir."""
-    from attnzoo import sweep
+    from attnzoo.cli import sweep
 
     d = tmp_path / "sweep"
     with pytest.raises(SystemExit) as e:
@@ -358,13 +358,13 @@ def _optuna_sweeper(*overrides):
     (["hydra.sweeper.n_jobs=0"], [], "hydra.sweeper.n_jobs: 0; allowed: an integer >= 1 (trials launched at a time)"),
 ], ids=["log-from-zero", "low-above-high", "cli-log-negative", "empty-range", "zero-trials", "zero-jobs"])
 def test_optuna_search_space_that_cannot_be_sampled(overrides, task, message):
-    from attnzoo.sweep import check_search_space
+    from attnzoo.cli.sweep import check_search_space
 
     assert check_search_space(_optuna_sweeper(*overrides), ["experiment=mqar", *task]) == message
 
 
 def test_optuna_default_search_space_passes():
-    from attnzoo.sweep import check_search_space
+    from attnzoo.cli.sweep import check_search_space
 
     sweeper = _optuna_sweeper()
     assert check_search_space(sweeper, ["experiment=mqar", "optim.lr=tag(log, interval(1e-4, 1e-2))"]) is None
@@ -378,7 +378,7 @@ def test_optuna_zero_trials_is_refused_from_the_cli(tmp_path):
     import sys
 
     d = tmp_path / "optuna"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
                         "hydra.sweeper.n_trials=0", f"hydra.sweep.dir={d}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == ["attnzoo: error: hydra.sweeper.n_trials: 0; allowed: an integer >= 1 (trials in the study)"]
@@ -387,8 +387,8 @@ def test_optuna_zero_trials_is_refused_from_the_cli(tmp_path):
 
 def test_every_sweep_passes_the_unknown_key_check():
     """No false refusals: each named sweep's own command line (its grid keys given again included) composes."""
-    from attnzoo.sweep import available, hydra_argv
-    from attnzoo.train import check_unknown_keys
+    from attnzoo.cli.sweep import available, hydra_argv
+    from attnzoo.training.run import check_unknown_keys
 
     for name in available():
         assert check_unknown_keys(hydra_argv(name, ["debug=smoke", "optim.lr=1e-3,3e-3"])) is None, name

@@ -4,10 +4,10 @@ nothing written. The rows of docs/reliability.md's table come from scripts/bad_i
 import pytest
 import torch
 
-from attnzoo import inference
+from attnzoo.inference.generate import generate as inference
 from attnzoo.bench import cli as bench_cli
-from attnzoo.inference import eval_main, generate_main
-from attnzoo.train import train
+from attnzoo.inference.generate import eval_main, generate_main
+from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 # learned positions, a table of 40: prompt + new tokens past it cannot be embedded

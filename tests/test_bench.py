@@ -10,7 +10,7 @@ import torch
 
 from attnzoo.bench import cli
 from attnzoo.bench.mixers import PeakMemory
-from attnzoo.registry import MIXERS
+from attnzoo.config.registry import MIXERS
 
 from tests.conftest import SESSION_CACHE
 
@@ -110,7 +110,7 @@ def compile_case(name: str):
 
 @pytest.mark.parametrize("mixer", [compile_case(n) for n in MIXERS.names()])
 def test_compile_fullgraph_matches_eager(mixer):
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     torch.manual_seed(0)
     model = DecoderLM({"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}},

@@ -7,10 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from attnzoo.config import ConfigError, resolve_model
-from attnzoo.validation import validate
-from attnzoo.model import DecoderLM
-from attnzoo.paths import CONF_DIR
+from attnzoo.config.schema import ConfigError, resolve_model
+from attnzoo.training.config_checks import validate
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.config.paths import CONF_DIR
 from tests.conftest import compose_cfg, tiny_model_cfg
 
 
@@ -28,7 +28,7 @@ ALL_OPTIONS = [
 
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
 def test_every_option_composes_validates_and_builds(group, option, tmp_path):
-    from attnzoo.families import SEQ2SEQ_DATA, family_of
+    from attnzoo.training.families import SEQ2SEQ_DATA, family_of
 
     extra = []  # the partner a family needs: an encoder-decoder trains on seq2seq data and only there
     if (group, option) == ("model", "encdec"):
@@ -122,7 +122,7 @@ def test_resolve_model_accepts_plain_dicts():
 
 def run_cli(*args, tmp_path):
     return subprocess.run(
-        [sys.executable, "-m", "attnzoo.train", *args, f"hydra.run.dir={tmp_path}/cli"],
+        [sys.executable, "-m", "attnzoo.training.run", *args, f"hydra.run.dir={tmp_path}/cli"],
         capture_output=True, text=True, timeout=120,
     )
 
@@ -165,7 +165,7 @@ def test_slurm_launcher_composes(tmp_path):
 
 
 def test_ddp_presets():
-    from attnzoo.launch import processes_to_launch
+    from attnzoo.training.launch import processes_to_launch
 
     parts = validate(compose_cfg(["trainer=ddp_cpu"], "/tmp/unused"))
     assert parts["run"].trainer.strategy == "ddp" and processes_to_launch(parts["run"].trainer) == 2
@@ -176,7 +176,7 @@ def test_ddp_presets():
 @pytest.mark.parametrize("mixer", ["mqa", "mha", "deltanet", "mla"])
 def test_a_field_the_mixer_ignores_is_not_refused(mixer):
     """model.n_kv_heads=3 with 4 query heads only matters to gqa / sliding-window layers."""
-    from attnzoo.config import resolve_model
+    from attnzoo.config.schema import resolve_model
 
     resolve_model({"d_model": 32, "n_heads": 4, "n_kv_heads": 3, "mixer": {"name": mixer}})
     with pytest.raises(ConfigError, match=r"^model.n_kv_heads: n_heads=4 is not divisible by n_kv_heads=3"):
@@ -185,8 +185,8 @@ def test_a_field_the_mixer_ignores_is_not_refused(mixer):
 
 @pytest.mark.parametrize("mixer,kv", [("mha", 4), ("mqa", 1), ("gqa", 2)])
 def test_summary_names_the_kv_heads_each_layer_really_has(mixer, kv):
-    from attnzoo.model import DecoderLM
-    from attnzoo.train import describe_model, kv_heads_of
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.training.run import describe_model, kv_heads_of
 
     m = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}}, vocab_size=16)
     assert kv_heads_of(m) == kv and f"heads=4/{kv}kv" in describe_model(m)

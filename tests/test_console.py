@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from attnzoo.console import ConsoleLog, remove_new_run_dir
-from attnzoo.csv_logger import run_hparams
-from attnzoo.train import describe_model, short_override
+from attnzoo.training.console import ConsoleLog, remove_new_run_dir
+from attnzoo.training.csv_logger import run_hparams
+from attnzoo.training.run import describe_model, short_override
 from tests.conftest import SESSION_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_refused_run_dir_and_its_empty_parents_are_removed(tmp_path, monkeypatch
 
 
 def _cli(args, cwd):
-    return subprocess.run([sys.executable, "-m", "attnzoo.train", *args], cwd=cwd, env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attnzoo.training.run", *args], cwd=cwd, env=ENV, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -123,7 +123,7 @@ def test_what_a_run_prints(tmp_path):
 
 
 def test_a_resumed_runs_bar_starts_at_its_step(tmp_path, capsys):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
     from tests.conftest import compose_cfg
 
     base = ["debug=smoke", "data=mqar", "data.train_size=12", "data.val_size=8", "data.num_kv_pairs=2",

@@ -1,4 +1,4 @@
-"""Context parallelism (attnzoo/parallel.py): layouts, the ring's visibility logic, sharded forward/backward ==
+"""Context parallelism (attnzoo/distributed/context_parallel.py): layouts, the ring's visibility logic, sharded forward/backward ==
 the single-process run for every mixer with a sharded path on 2 and 4 gloo processes, refusals, and a training
 run with trainer.context_parallel=2 that logs the losses of the single-process run."""
 import csv
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from attnzoo.bench.context_parallel import CASES, run_check, tolerance
-from attnzoo.config import ConfigError
-from attnzoo.parallel import Layout, MaskSpec, check_layout, resolve_layout
-from attnzoo.registry import MIXERS
-from attnzoo.train import train
-from attnzoo.validation import validate
+from attnzoo.config.schema import ConfigError
+from attnzoo.distributed.context_parallel import Layout, MaskSpec, check_layout, resolve_layout
+from attnzoo.config.registry import MIXERS
+from attnzoo.training.run import train
+from attnzoo.training.config_checks import validate
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 
@@ -63,7 +63,7 @@ def test_visibility_of_segment_pairs_matches_the_token_mask():
 
 
 def test_a_window_needs_one_hop_with_the_contiguous_layout():
-    from attnzoo.parallel import ContextParallel
+    from attnzoo.distributed.context_parallel import ContextParallel
 
     cp = ContextParallel.__new__(ContextParallel)  # the hop count is arithmetic on the layout: no group needed
     cp.layout, cp.size, cp._hops = Layout(64, 4, zigzag=False), 4, {}
@@ -76,7 +76,7 @@ def test_a_window_needs_one_hop_with_the_contiguous_layout():
 
 def test_the_sampler_shards_over_data_parallel_groups_only(monkeypatch):
     import attnzoo.data.sampling as sampling
-    from attnzoo import parallel
+    from attnzoo.distributed import context_parallel as parallel
 
     monkeypatch.setitem(parallel._TOPOLOGY, "cp", 2)
     monkeypatch.setitem(parallel._TOPOLOGY, "dp_rank", 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.errors import ConfigError
+from attnzoo.config.errors import ConfigError
 from attnzoo.ops import dispatch
 from attnzoo.ops.dispatch import FAMILY_NAMES, choose_kernel
 from tests.conftest import compose_cfg, gap_atol
@@ -70,8 +70,8 @@ def test_choice_table(request_, family, device, dtype, fla_ok, flex_ok):
 
 def test_mixer_families():
     """Every registered mixer has a family; the layers a fast kernel does not cover fall to "other"."""
-    from attnzoo.model import DecoderLM
-    from attnzoo.registry import MIXERS
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.config.registry import MIXERS
 
     assert set(MIXERS.names()) <= set(dispatch.FAMILIES)
 
@@ -88,7 +88,7 @@ def test_mixer_families():
 
 
 def test_bad_impl_is_one_line():
-    from attnzoo.config import resolve_model
+    from attnzoo.config.schema import resolve_model
 
     with pytest.raises(ConfigError, match=r"^model.impl: got 'triton'; allowed: auto, torch, fla, flex$"):
         resolve_model({"d_model": 32, "n_heads": 4, "impl": "triton"})
@@ -97,8 +97,8 @@ def test_bad_impl_is_one_line():
 @pytest.mark.parametrize("request_", ["fla", "flex"])
 def test_explicit_fast_kernel_on_cpu_is_refused_in_one_line(request_, make_cfg, tmp_path):
     """At the start of a run (nothing written), and at a call on a CPU tensor."""
-    from attnzoo.model import DecoderLM
-    from attnzoo.train import train
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as e:
@@ -117,7 +117,7 @@ def test_probes_never_import_triton_without_cuda():
     code = ("import sys, torch; from attnzoo.ops import dispatch; "
             "assert not torch.cuda.is_available(); "
             "assert not dispatch.fla_available() and not dispatch.flex_available(); "
-            "from attnzoo.model import DecoderLM; "
+            "from attnzoo.models.decoder import DecoderLM; "
             "m = DecoderLM({'d_model': 32, 'n_layers': 1, 'n_heads': 4, 'mixer': {'name': 'deltanet'}}, vocab_size=16); "
             "m(torch.randint(0, 16, (1, 8))); "
             "assert 'triton' not in sys.modules and 'fla' not in sys.modules, 'imported'")
@@ -148,7 +148,7 @@ MIXER_CASES = ["gqa", "sliding_window", "moba", "nsa", "linear_attention", "delt
 def test_cpu_outputs_bit_identical_for_auto_and_torch(mixer, monkeypatch):
     """On the CPU model.impl=auto and torch are today's path: bit-identical outputs and gradients, and the
     fast wrappers are never entered (they raise here)."""
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
     from attnzoo.ops import fla_kernels, flex
 
     def boom(*a, **kw):
@@ -176,7 +176,7 @@ def test_cpu_outputs_bit_identical_for_auto_and_torch(mixer, monkeypatch):
 def test_resolution_follows_the_device_per_call(monkeypatch):
     """kernel_request comes from model.impl; the backend is resolved per call from the tensor's device and
     compute dtype (nothing cached on the module: a model moved between devices picks anew)."""
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     monkeypatch.setattr(dispatch, "fla_available", lambda: True)
     monkeypatch.setattr(dispatch, "flex_available", lambda: True)
@@ -267,7 +267,7 @@ def test_fla_path_matches_the_torch_path(case, fake_fla):
     """A mixer through fla_kernels (layout [B, T, H, D], scale, beta / gate conventions, grouped value heads,
     the normaliser's ones column, initial / final state) equals its torch chunk path: outputs, gradients,
     and the state a cached prefill leaves (then continued by a second chunk)."""
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     torch.manual_seed(0)
     cfg = {"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": FLA_MIXERS[case]}
@@ -340,7 +340,7 @@ def test_flex_masks_match_the_reference_forward(q_len, kv_len, window, sinks, kv
 def test_sliding_window_mixer_flex_path_forward(monkeypatch, quiet_flex):
     """SlidingWindowAttention.attend routed to flex (as on CUDA) equals its torch path, forward; decode with a
     cache stays on the torch path."""
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
     from attnzoo.ops import flex
 
     torch.manual_seed(0)
@@ -369,7 +369,7 @@ def test_sliding_window_mixer_flex_path_forward(monkeypatch, quiet_flex):
 def test_delta_rule_torch_path_trains_under_bf16_autocast(mixer):
     """fp32 calls (and CPU / no-fla machines) run the torch chunk form under autocast: its triangular solve
     has no bf16 kernel and runs in fp32 (ops/delta_rule.solve_unit_lower)."""
-    from attnzoo.model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     torch.manual_seed(0)
     m = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "mixer": {"name": mixer}}, vocab_size=16).mixers[0]
@@ -386,7 +386,7 @@ def test_delta_rule_torch_path_trains_under_bf16_autocast(mixer):
 
 
 def test_summary_json_records_the_kernels(tmp_path):
-    from attnzoo.train import format_summary, train
+    from attnzoo.training.run import format_summary, train
 
     out = tmp_path / "run"
     train(compose_cfg(["experiment=mqar", "debug=smoke", "trainer.max_steps=2", "trainer.val_check_interval=2",

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from attnzoo.config import ConfigError, SchedulerConfig
+from attnzoo.config.schema import ConfigError, SchedulerConfig
 from attnzoo.data.seq2seq import (
     AdditionConfig, AdditionDataModule, ReversalDataModule, Seq2SeqConfig, SortingConfig, SortingDataModule,
     EOS, FIRST_SYMBOL, PAD, PLUS,
 )
-from attnzoo.encdec import EncoderDecoder, EncoderMLM, mask_tokens
-from attnzoo.lit import lr_lambda, noam_lr
-from attnzoo.lit_seq2seq import LitMLM, LitSeq2Seq, exact_match, masked_ce
+from attnzoo.models.encoder_decoder import EncoderDecoder, EncoderMLM, mask_tokens
+from attnzoo.training.lit_lm import lr_lambda, noam_lr
+from attnzoo.training.lit_seq2seq import LitMLM, LitSeq2Seq, exact_match, masked_ce
 from tests.conftest import gap_atol
 
 V = 13
@@ -394,7 +394,7 @@ def test_tiny_transformer_learns_reversal():
                                        ["model=encoder", "data=text", "data.max_chars=300000", "data.vocab_size=512"]],
                          ids=["encdec-reversal", "encdec-addition", "encoder-text"])
 def test_presets_train_from_the_cli_config(make_cfg, overrides):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     from tests.conftest import assert_learns
 

@@ -1,5 +1,5 @@
 """The model-family registry and values resolved once (issue 14): every family is built, counted and
-checked through `attnzoo.families`, and every derived size is settled in `resolve_model`."""
+checked through `attnzoo.training.families`, and every derived size is settled in `resolve_model`."""
 import dataclasses
 
 import pytest
@@ -7,14 +7,14 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from attnzoo.budget import count_params
-from attnzoo.config import ConfigError, resolve_model
-from attnzoo.validation import validate
-from attnzoo.encdec import EncoderDecoder, EncoderMLM
-from attnzoo.families import FAMILIES, family_of
-from attnzoo.model import DecoderLM
-from attnzoo.paths import CONF_DIR
-from attnzoo.registry import MIXERS
+from attnzoo.training.budget import count_params
+from attnzoo.config.schema import ConfigError, resolve_model
+from attnzoo.training.config_checks import validate
+from attnzoo.models.encoder_decoder import EncoderDecoder, EncoderMLM
+from attnzoo.training.families import FAMILIES, family_of
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.config.paths import CONF_DIR
+from attnzoo.config.registry import MIXERS
 from tests.conftest import compose_cfg
 
 
@@ -83,7 +83,7 @@ TASK_OWN = {("reversal", "seq_len"), ("sorting", "seq_len")}
 
 def _registered(group: str):
     from attnzoo.data import DATAMODULES
-    from attnzoo.registry import FFNS
+    from attnzoo.config.registry import FFNS
 
     registry = {"model/mixer": MIXERS, "model/ffn": FFNS, "data": DATAMODULES}[group]
     return [(group, registry, n) for n in registry.names()]
@@ -115,7 +115,7 @@ def test_yaml_defaults_equal_dataclass_defaults(group, registry, name):
 def test_encdec_moe_balances_through_the_shared_training_module(tmp_path):
     """model=encdec model/ffn=moe: the routed FFNs' aux loss reaches the training loss and the
     aux-loss-free bias moves after each optimizer step, as in the decoder (LitSeq2Seq skipped both)."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     train(compose_cfg(["model=encdec", "data=reversal", "debug=smoke", "model/ffn=moe", "~model.ffn.activation",
@@ -132,9 +132,9 @@ def test_encdec_moe_balances_through_the_shared_training_module(tmp_path):
 
 def test_aux_loss_is_added_for_every_family():
     """TrainingModule._with_aux adds the routed FFNs' aux loss to each family's training loss."""
-    from attnzoo import hooks
-    from attnzoo.lit import TrainingModule
-    from attnzoo.lit_seq2seq import LitMLM, LitSeq2Seq
+    from attnzoo.layers import aux_loss as hooks
+    from attnzoo.training.lit_lm import TrainingModule
+    from attnzoo.training.lit_seq2seq import LitMLM, LitSeq2Seq
 
     for lit_cls in (LitSeq2Seq, LitMLM):
         assert issubclass(lit_cls, TrainingModule)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.checkpoint import AtomicCheckpointIO, check_checkpoint
-from attnzoo.config import ConfigError
+from attnzoo.training.checkpoint_io import AtomicCheckpointIO, check_checkpoint
+from attnzoo.config.schema import ConfigError
 from attnzoo.data.sampling import ResumableShuffleSampler
-from attnzoo.train import train
+from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg
 
 FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
@@ -30,7 +30,7 @@ def losses(run_dir: Path) -> dict:
 
 
 def cli(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "attnzoo.train", *args], env=ENV, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "attnzoo.training.run", *args], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -84,7 +84,7 @@ def test_ddp_cpu_two_processes(tmp_path):
 def test_multirun_ddp_jobs_are_isolated(tmp_path):
     """3 jobs with trainer=ddp_cpu, the first one invalid: the others train, exactly 3 job dirs."""
     sweep = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
                         "trainer.val_check_interval=2", "model.n_kv_heads=3,2,1", f"hydra.sweep.dir={sweep}"],
                        env=ENV, capture_output=True, text=True, timeout=600)
     # the sweep runs every job, then exits non-zero because one failed
@@ -141,7 +141,7 @@ def test_sigterm_saves_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_nonfinite_loss_stops_naming_the_step_or_skips(tmp_path):
-    from attnzoo.lit import NonFiniteLossError
+    from attnzoo.training.lit_lm import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"at step \d+"):
         train(compose_cfg(FAST + ["optim.lr=1e30", "trainer.gradient_clip_val=null"], tmp_path / "nan"))
@@ -185,7 +185,7 @@ def test_deferred_nonfinite_check_names_the_step(tmp_path):
     """The GPU path keeps the finiteness flag on the device and checks it one step later (no host sync)."""
     from omegaconf import OmegaConf
 
-    from attnzoo.lit import LitLM, NonFiniteLossError
+    from attnzoo.training.lit_lm import LitLM, NonFiniteLossError
 
     cfg = OmegaConf.to_container(compose_cfg(FAST, tmp_path / "d"), resolve=False)
     cfg["paths"]["output_dir"] = str(tmp_path)

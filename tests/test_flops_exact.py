@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from attnzoo.model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 from tests.conftest import tiny_model_cfg
 
 aten = torch.ops.aten
@@ -132,10 +132,10 @@ def test_recurrent_flops_exact_for_the_chunkwise_form(name, L):
 def test_encdec_cross_attention_flops_exact():
     """Cross-attention: T target tokens over S source keys (q, o projections and QK^T, PV per target token;
     the K/V projection once per source token)."""
-    from attnzoo.encdec import CrossAttention
+    from attnzoo.models.encoder_decoder import CrossAttention
 
     m, _ = mixer_of({"name": "gqa"})
-    from attnzoo.encdec import EncDecOptions
+    from attnzoo.models.encoder_decoder import EncDecOptions
 
     cross = CrossAttention(m.cfg, EncDecOptions())
     T, S = 7, 13
@@ -148,7 +148,7 @@ def test_encdec_cross_attention_flops_exact():
 
 @pytest.mark.parametrize("depth,n_queries,context", [(1, 4, 9), (2, 3, 16)])
 def test_resampler_flops_exact(depth, n_queries, context):
-    from attnzoo.vision.connectors import PerceiverResampler
+    from attnzoo.models.vision.connectors import PerceiverResampler
 
     r = PerceiverResampler(32, n_queries, depth, n_heads=4, head_dim=8)
     with counter() as fc:  # with gradients: the counter's module tracker needs a grad_fn on the expanded latents
@@ -158,7 +158,7 @@ def test_resampler_flops_exact(depth, n_queries, context):
 
 def test_gated_cross_attention_flops_exact():
     """A VLM gated cross-attention layer per text token over M image tokens, plus its image K/V once per image token."""
-    from attnzoo.vision.connectors import GatedCrossAttention
+    from attnzoo.models.vision.connectors import GatedCrossAttention
 
     m, _ = mixer_of({"name": "gqa"})
     layer = GatedCrossAttention(m.cfg, d_image=24)
@@ -175,7 +175,7 @@ def test_training_flops_are_three_forwards(mixer):
     count, and 3x is what a training step does: the counter over forward + backward of the whole model equals
     3x its count over the forward (every matmul's backward is two matmuls of its size: the input and the
     weight gradient). Mixers whose every product is a matmul (no matrix-vector products, no triangular solve)."""
-    from attnzoo.flops import train_flops_per_token
+    from attnzoo.models.flops import train_flops_per_token
 
     m, _ = mixer_of({"name": mixer})
     for layer in m.mixers:

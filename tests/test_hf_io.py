@@ -1,4 +1,4 @@
-"""transformers interchange (attnzoo.hf): import tiny random-init transformers checkpoints saved with
+"""transformers interchange (attnzoo.interop.hf): import tiny random-init transformers checkpoints saved with
 save_pretrained, export attnzoo models and read them back with AutoModelForCausalLM, refusals in one line,
 and `model.init_from` through train(). fp32 throughout; logits within 10x the computation's own fp32-vs-fp64 gap (conftest.fp32_atol)."""
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from attnzoo import hf  # noqa: E402
-from attnzoo.config import resolve_model  # noqa: E402
-from attnzoo.errors import ConfigError  # noqa: E402
-from attnzoo.model import DecoderLM  # noqa: E402
+from attnzoo.cli import export  # noqa: E402
+from attnzoo.interop import hf  # noqa: E402
+from attnzoo.config.schema import resolve_model  # noqa: E402
+from attnzoo.config.errors import ConfigError  # noqa: E402
+from attnzoo.models.decoder import DecoderLM  # noqa: E402
 
 from tests.conftest import compose_cfg, fp32_atol  # noqa: E402
 
@@ -350,8 +351,8 @@ def test_init_from_trains_from_the_imported_weights_then_exports(tmp_path):
     import lightning as L
     import torch.nn.functional as F
 
-    from attnzoo.train import build_module, prepare_data, train
-    from attnzoo.validation import validate
+    from attnzoo.training.run import build_module, prepare_data, train
+    from attnzoo.training.config_checks import validate
 
     ref = HF_CASES["llama-gqa"]().eval()
     widen(ref)
@@ -382,8 +383,8 @@ def test_init_from_trains_from_the_imported_weights_then_exports(tmp_path):
     assert any(r.get("train/loss") for r in rows)
 
     # and the fine-tuned run goes back to transformers (synthetic data: no tokenizer, weights and config)
-    hf.main([str(tmp_path / "run"), str(tmp_path / "export")])
-    model, tokenizer, _ = hf.load_run_model(tmp_path / "run")
+    export.main([str(tmp_path / "run"), str(tmp_path / "export")])
+    model, tokenizer, _ = export.load_run_model(tmp_path / "run")
     assert tokenizer is None and not (tmp_path / "export" / "tokenizer.json").exists()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
     ours, atol = fp32_atol(model, lambda m: m(x))
@@ -407,7 +408,7 @@ def test_init_from_refusals(tmp_path):
     assert knob.model.ffn.multiple_of == 16 and knob.model.ffn.d_ff == 64
     again = hf.apply_init_from(knob, overrides=[])  # a derived config (a DDP worker's) is kept as it is
     assert again is knob and again.model.ffn.multiple_of == 16
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     with pytest.raises(ConfigError) as err:  # a path that does not exist, before any work
         train(compose_cfg(_init_overrides(tmp_path / "missing", out)))
@@ -422,13 +423,13 @@ def test_export_cli_text_run_with_its_tokenizer(tmp_path):
     """attnzoo-export on a char-level text run: AutoTokenizer encodes as the run does, AutoModelForCausalLM
     gives the run's logits."""
     import attnzoo
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     train(compose_cfg(["debug=smoke", "data.tokenizer=char", "data.max_chars=20000", "model.n_layers=2",
                        "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.measure_decode=false",
                        "sample.max_new_tokens=0", "logger=csv", f"paths.output_dir={out}"]))
-    hf.main([str(out), str(tmp_path / "export")])
+    export.main([str(out), str(tmp_path / "export")])
     run = attnzoo.load(out)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     text = "def fib(n):\n    return n"
@@ -438,5 +439,5 @@ def test_export_cli_text_run_with_its_tokenizer(tmp_path):
     ours, atol = fp32_atol(run.model, lambda m: m(x))
     torch.testing.assert_close(hf_forward(theirs, x), ours, atol=atol, rtol=RTOL)
     with pytest.raises(SystemExit) as err:  # a non-empty output dir is refused (exit 2), nothing overwritten
-        hf.main([str(out), str(tmp_path / "export")])
+        export.main([str(out), str(tmp_path / "export")])
     assert err.value.code == 2

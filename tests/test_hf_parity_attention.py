@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attnzoo.model import DecoderLM  # noqa: E402
+from attnzoo.models.decoder import DecoderLM  # noqa: E402
 
 from tests.conftest import fp32_atol  # noqa: E402
 

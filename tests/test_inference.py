@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo.inference import eval_main, generate_main
-from attnzoo.train import train
+from attnzoo.inference.generate import eval_main, generate_main
+from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 TEXT = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
@@ -24,7 +24,7 @@ def text_run(tmp_path_factory):
 def test_load_reproduces_the_runs_validation(text_run):
     run = attnzoo.load(text_run)
     summary = json.loads((text_run / "summary.json").read_text())
-    from attnzoo.inference import evaluate
+    from attnzoo.inference.generate import evaluate
 
     got = evaluate(run, run.datamodule.val_dataloader(), max_batches=2)  # debug=smoke: limit_val_batches=2
     assert got["val/loss"] == pytest.approx(summary["metrics"]["val/loss"], rel=1e-5)
@@ -87,10 +87,10 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     (before: U+FFFD for the incomplete bytes, then nothing more once the text stopped extending it)."""
     from types import SimpleNamespace
 
-    import attnzoo.model as model_mod
+    import attnzoo.models.decoder as model_mod
     from attnzoo.data.tokenizer import BPETokenizer
-    from attnzoo.inference import stream
-    from attnzoo.model import DecoderLM
+    from attnzoo.inference.generate import stream
+    from attnzoo.models.decoder import DecoderLM
     from tests.conftest import tiny_model_cfg
 
     tok = BPETokenizer.train("plain ascii text, nothing else " * 20, vocab_size=300)

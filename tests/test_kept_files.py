@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo import hf
-from attnzoo.checkpoint import AtomicCheckpointIO
-from attnzoo.model import DecoderLM
-from attnzoo.train import train
+from attnzoo.cli import export
+from attnzoo.interop import hf
+from attnzoo.training.checkpoint_io import AtomicCheckpointIO
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.training.run import train
 from tests.conftest import compose_cfg, tiny_model_cfg
 
 RUN = ["debug=smoke", "data.tokenizer=char", "data.max_chars=20000", "model.n_layers=2", "trainer.max_steps=2",
@@ -62,28 +63,28 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(text_run, tmp_pa
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "exports" / "model"
-    err = one_line_error(capsys, lambda: hf.main([str(text_run), str(out)]))
+    err = one_line_error(capsys, lambda: export.main([str(text_run), str(out)]))
     assert err == f"attnzoo-export: error: OUT_DIR: cannot write {out} (No space left on device); nothing was written"
     assert not (tmp_path / "exports").exists()  # neither the export, its temporary, nor the parent it created
     (tmp_path / "empty").mkdir()  # into an existing empty directory: it stays, empty
-    one_line_error(capsys, lambda: hf.main([str(text_run), str(tmp_path / "empty")]))
+    one_line_error(capsys, lambda: export.main([str(text_run), str(tmp_path / "empty")]))
     assert list(tmp_path.iterdir()) == [tmp_path / "empty"] and not any((tmp_path / "empty").iterdir())
 
 
 def test_export_to_a_file_or_under_a_file_is_refused_before_work(text_run, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(hf.cli, "load_run_model", lambda *a: pytest.fail("loaded the run before checking OUT_DIR"))
+    monkeypatch.setattr(export, "load_run_model", lambda *a: pytest.fail("loaded the run before checking OUT_DIR"))
     f = tmp_path / "model.bin"
     f.write_text("x")
-    err = one_line_error(capsys, lambda: hf.main([str(text_run), str(f)]))
+    err = one_line_error(capsys, lambda: export.main([str(text_run), str(f)]))
     assert err == f"attnzoo-export: error: OUT_DIR: {f} is a file; allowed: a new or empty directory"
-    err = one_line_error(capsys, lambda: hf.main([str(text_run), str(f / "export")]))
+    err = one_line_error(capsys, lambda: export.main([str(text_run), str(f / "export")]))
     assert err == (f"attnzoo-export: error: OUT_DIR: {f / 'export'} cannot be created ({f} is a file, not a "
                    f"directory); allowed: a path under a writable directory")
     assert f.read_text() == "x" and sorted(tmp_path.iterdir()) == [f]
 
 
 def test_export_is_complete_after_the_rename(text_run, tmp_path):
-    hf.main([str(text_run), str(tmp_path / "export")])
+    export.main([str(text_run), str(tmp_path / "export")])
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert sorted(tmp_path.iterdir()) == [tmp_path / "export"]  # no temporary sibling left
@@ -125,5 +126,5 @@ def test_a_runs_checkpoints_and_export_follow_the_umask(text_run, tmp_path):
     assert {p.name: mode(p) for p in ckpts} == {p.name: 0o664 for p in ckpts}
     assert mode(text_run / "summary.json") == 0o664
     with umask(0o002):
-        hf.main([str(text_run), str(tmp_path / "export")])
+        export.main([str(text_run), str(tmp_path / "export")])
     assert {mode(p) for p in (tmp_path / "export").iterdir()} == {0o664}

@@ -1,4 +1,4 @@
-"""KV-cache quantization at inference (attnzoo.kv_quant, KIVI): the codes' error bound and layout (keys per
+"""KV-cache quantization at inference (attnzoo.mixers.kv_quant, KIVI): the codes' error bound and layout (keys per
 channel, values per token), measured == analytic bytes, decode within a derived bound of the full forward
 (int8 much tighter than int4, fp32 bit-identical, bf16 stored as bf16), teacher forcing through the cache ==
 token-by-token decoding, the end-of-run metrics, attnzoo-eval / attnzoo-generate, and bad options refused."""
@@ -9,12 +9,12 @@ import re
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.kv_quant import (KVFormat, QuantizedKVCache, decode_calls, dequantize, logits_through_cache, pack,
+from attnzoo.config.schema import ConfigError
+from attnzoo.mixers.kv_quant import (KVFormat, QuantizedKVCache, decode_calls, dequantize, logits_through_cache, pack,
                               quantize, unpack)
 from attnzoo.mixers.attention import KVCache
-from attnzoo.model import DecoderLM
-from attnzoo.validation import validate
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.training.config_checks import validate
 from tests.conftest import SMALL_TEXT, compose_cfg, tiny_model_cfg
 
 V = 64
@@ -284,7 +284,7 @@ TEXT = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=64", "d
 
 @pytest.fixture(scope="module")
 def int4_run(tmp_path_factory):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path_factory.mktemp("kvq") / "run"
     return out, train(compose_cfg(TEXT, out))
@@ -309,7 +309,7 @@ def test_end_of_run_metrics_through_the_quantized_cache(int4_run):
 
 def test_eval_and_generate_take_the_format(int4_run, tmp_path, capsys):
     import attnzoo
-    from attnzoo.inference import eval_main, generate_main
+    from attnzoo.inference.generate import eval_main, generate_main
 
     out, metrics = int4_run
     res = {}
@@ -362,7 +362,7 @@ def test_odd_head_dim_is_fine_with_int8_and_a_model_without_kv_layers_is_refused
 
 
 def test_coverage_says_what_is_and_is_not_quantized():
-    from attnzoo.kv_quant import coverage
+    from attnzoo.mixers.kv_quant import coverage
 
     hybrid = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "gqa"]
     assert coverage(KVFormat("fp32"), hybrid, 64) == ""
@@ -382,7 +382,7 @@ def test_coverage_says_what_is_and_is_not_quantized():
 def test_hybrid_run_summary_names_the_quantized_layers(tmp_path, capsys):
     """gated_deltanet + gqa with an int8 cache: summary.json and the printed summary say which layer was
     quantized and how many tokens, and the cost is that of a cache that really changed."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     metrics = train(compose_cfg(["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "model.n_layers=2",
@@ -398,7 +398,7 @@ def test_hybrid_run_summary_names_the_quantized_layers(tmp_path, capsys):
 def test_eval_says_how_many_batches_it_scored_against_the_runs_limit(int4_run, tmp_path, capsys):
     """attnzoo-eval scores the whole split by default; the run's validation scored limit_val_batches=2
     (debug=smoke): the output says both, and --max-batches 2 matches the run."""
-    from attnzoo.inference import eval_main
+    from attnzoo.inference.generate import eval_main
 
     out, metrics = int4_run
     capsys.readouterr()

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.procs import alive, descendants
-from attnzoo.rundir import LOCK_NAME, record_workers, run_dir_lock
-from attnzoo.train import train
+from attnzoo.config.schema import ConfigError
+from attnzoo.distributed.processes import alive, descendants
+from attnzoo.training.rundir import LOCK_NAME, record_workers, run_dir_lock
+from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, compose_cfg
 from tests.test_faults_ddp import ENV, cli, wait_for_checkpoint
 from tests.test_resume import BASE
@@ -55,7 +55,7 @@ def val_losses(run: Path) -> list[float]:
 @pytest.fixture
 def final_weights(monkeypatch):
     """The weights the run ends with, as final_metrics (the summary's validation) sees them."""
-    import attnzoo.train as train_mod
+    import attnzoo.training.run as train_mod
 
     seen = {}
     orig = train_mod.final_metrics
@@ -88,7 +88,7 @@ def test_last_checkpoint_is_the_final_model_and_best_the_best(tmp_path, final_we
 
 
 def test_resume_after_a_crash_between_checkpoints_ends_on_the_uninterrupted_weights(tmp_path, monkeypatch):
-    from attnzoo.callbacks import ThroughputMonitor
+    from attnzoo.training.callbacks import ThroughputMonitor
 
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     train(compose_cfg(BASE + EVERY_3, ref))
@@ -119,7 +119,7 @@ def test_ddp_last_checkpoint_is_the_final_model(tmp_path, monkeypatch):
         import os
         if os.environ.get("ATTNZOO_WORKER"):
             import torch
-            import attnzoo.train as t
+            import attnzoo.training.run as t
 
             orig = t.finish
 
@@ -200,7 +200,7 @@ def test_sigkill_of_a_ddp_launcher_kills_its_workers_and_frees_the_run_dir(tmp_p
             start_new_session=True)
     try:
         wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 2, p)  # both workers are training
-        workers = [w for w in descendants(p.pid) if "attnzoo.worker" in Path(f"/proc/{w}/cmdline").read_text()]
+        workers = [w for w in descendants(p.pid) if "attnzoo.cli.worker" in Path(f"/proc/{w}/cmdline").read_text()]
         assert len(workers) == 2
         lock = (run / LOCK_NAME).read_text()
         assert lock.startswith(f"{p.pid} ") and all(str(w) in lock.splitlines()[1] for w in workers)
@@ -239,9 +239,9 @@ def test_a_lock_whose_launcher_died_is_live_while_its_workers_live(tmp_path):
     out = tmp_path / "r"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    # a stand-in for an orphaned worker (its command line names attnzoo.worker), and an unrelated process
+    # a stand-in for an orphaned worker (its command line names attnzoo.cli.worker), and an unrelated process
     # that happens to have a recorded pid (a pid reused after the worker ended)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "attnzoo.worker"])
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "attnzoo.cli.worker"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with run_dir_lock(out):
@@ -268,7 +268,7 @@ def test_a_lock_whose_launcher_died_is_live_while_its_workers_live(tmp_path):
 def test_sigterm_of_a_sweep_ends_its_workers_and_resource_trackers(tmp_path):
     sweep = tmp_path / "sweep"
     exe = Path(sys.executable).parent / "attnzoo-sweep"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "attnzoo.sweep"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "attnzoo.cli.sweep"]
     p = subprocess.Popen([*cmd, "window", "debug=smoke", "model.mixer.window=4,8", "optim.lr=3e-3",
                           "trainer.max_steps=100000", "trainer.val_check_interval=100000",
                           f"hydra.sweep.dir={sweep}", f"paths.cache_dir={SESSION_CACHE}"],

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from attnzoo.config import ConfigError, resolve_model
-from attnzoo.model import DecoderLM
+from attnzoo.config.schema import ConfigError, resolve_model
+from attnzoo.models.decoder import DecoderLM
 from tests.conftest import compose_cfg, gap_atol, tiny_model_cfg
 
 V = 61
@@ -141,7 +141,7 @@ def test_hybrid_preset_decode_equals_full(preset, kinds):
 
 
 def test_hybrid_pattern_from_the_command_line():
-    from attnzoo.config import layer_mixer_configs
+    from attnzoo.config.schema import layer_mixer_configs
 
     plain = resolve_model(compose_cfg([*TINY, "model.pattern=[deltanet,gqa]"]).model)
     assert [c.name for c in layer_mixer_configs(plain)] == ["deltanet", "gqa", "deltanet", "gqa"]

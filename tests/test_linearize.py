@@ -1,4 +1,4 @@
-"""experiment=linearize (attnzoo.linearize) and text data in an imported model's own tokens.
+"""experiment=linearize (attnzoo.training.linearize) and text data in an imported model's own tokens.
 
 The teacher is real, not random: a 2-layer GQA model trained by attnzoo for 150 steps on the embedded corpus
 (char tokenizer), exported with attnzoo-export (LlamaForCausalLM + tokenizer.json), then imported with
@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from attnzoo import hf  # noqa: E402
-from attnzoo.errors import ConfigError  # noqa: E402
+from attnzoo.cli import export  # noqa: E402
+from attnzoo.interop import hf  # noqa: E402
+from attnzoo.config.errors import ConfigError  # noqa: E402
 
 from tests.conftest import compose_cfg  # noqa: E402
 
@@ -28,14 +29,14 @@ MARGIN = 0.1  # nats: the linearized model's val loss may exceed the teacher's b
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """(run dir, exported transformers dir) of a tiny char-level model trained 150 steps (~6 s)."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     root = tmp_path_factory.mktemp("teacher")
     run, out = root / "run", root / "hf"
     train(compose_cfg(["debug=smoke", "data.tokenizer=char", *TEXT, "model.n_layers=2", "model.d_model=64",
                        "trainer.max_steps=150", "trainer.val_check_interval=150", "trainer.limit_val_batches=8",
                        "optim.lr=3e-3", "scheduler.warmup_steps=10", *QUIET], run))
-    hf.main([str(run), str(out)])
+    export.main([str(run), str(out)])
     return run, out
 
 
@@ -55,7 +56,7 @@ def test_linearize_gated_deltanet_matches_its_teacher(teacher, tmp_path, monkeyp
     """Both layers -> Gated DeltaNet through train(): projections copied at step 0, stage-1 MSE falls, the
     teacher is untouched, and the student's val loss ends within MARGIN of the teacher's."""
     import attnzoo
-    import attnzoo.train as T
+    import attnzoo.training.run as T
 
     _, src = teacher
     built = {}
@@ -122,8 +123,8 @@ def test_text_is_encoded_with_the_imported_tokenizer(teacher, tmp_path):
     data.tokenizer on the command line is kept; no usable tokenizer and another vocabulary: one line."""
     import attnzoo
     from attnzoo.data import build_datamodule
-    from attnzoo.train import train
-    from attnzoo.validation import validate
+    from attnzoo.training.run import train
+    from attnzoo.training.config_checks import validate
 
     run_dir, src = teacher
     base = [f"model.init_from={src}", "debug=smoke", *TEXT, *QUIET]
@@ -154,8 +155,8 @@ def test_text_is_encoded_with_the_imported_tokenizer(teacher, tmp_path):
 def test_linearize_plans_and_refusals(teacher, tmp_path):
     """Layers from linearize.layers or model.pattern; refused in one line before any work: no init_from, a
     layer out of range, an unknown target mixer, shapes that cannot be copied when copying is required."""
-    from attnzoo.linearize import apply_linearize
-    from attnzoo.train import train
+    from attnzoo.training.linearize import apply_linearize
+    from attnzoo.training.run import train
 
     _, src = teacher
     out = tmp_path / "run"
@@ -195,7 +196,7 @@ def test_linearize_plans_and_refusals(teacher, tmp_path):
 
 def test_linearize_resumes_with_the_teacher_read_again(teacher, tmp_path):
     """--resume / ckpt_path=last: the checkpoint holds the student only; the teacher comes from model.init_from."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     _, src = teacher
     out = tmp_path / "run"
@@ -209,7 +210,7 @@ def test_linearize_resumes_with_the_teacher_read_again(teacher, tmp_path):
 def test_a_later_max_steps_caps_both_stages_in_proportion():
     """debug=smoke (or trainer.max_steps=N) after experiment=linearize: the run stops there, both stages shortened
     in proportion, each non-empty stage keeping a step; stages that already fit are kept as given."""
-    from attnzoo.linearize import fit_stages
+    from attnzoo.training.linearize import fit_stages
 
     assert fit_stages(100, 100, None) == (100, 100)
     assert fit_stages(100, 100, 6) == (3, 3)

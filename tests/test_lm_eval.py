@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter (attnzoo.lm_eval_adapter) on a char-level run trained here: each request
+"""The lm-evaluation-harness adapter (attnzoo.inference.lm_eval) on a char-level run trained here: each request
 type against a direct computation from the model's logits, then lm_eval end to end on tiny local tasks
 (multiple choice, generate_until, loglikelihood_rolling), offline, in process and through the command line."""
 import json
@@ -16,9 +16,9 @@ pytest.importorskip("lm_eval")  # the dev extra
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from attnzoo.errors import ConfigError  # noqa: E402
-from attnzoo.lm_eval_adapter import AttnzooLM  # noqa: E402
-from attnzoo.train import train  # noqa: E402
+from attnzoo.config.errors import ConfigError  # noqa: E402
+from attnzoo.inference.lm_eval import AttnzooLM  # noqa: E402
+from attnzoo.training.run import train  # noqa: E402
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,15 +208,15 @@ def test_simple_evaluate_on_local_tasks(lm, run_dir, tmp_path, offline):
 
 
 def test_command_line_is_lm_evals_own_with_the_model_registered(run_dir, tmp_path, monkeypatch, capsys):
-    """`attnzoo-lm-eval` (pyproject's console script) = `python -m attnzoo.lm_eval_adapter`: lm_eval's CLI
+    """`attnzoo-lm-eval` (pyproject's console script) = `python -m attnzoo.inference.lm_eval`: lm_eval's CLI
     with the same argv; a refused model is one line, exit 2."""
     import tomllib
 
     import lm_eval.__main__
-    from attnzoo.lm_eval_adapter import main
+    from attnzoo.inference.lm_eval import main
 
     script = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["attnzoo-lm-eval"]
-    assert script == "attnzoo.lm_eval_adapter:main"
+    assert script == "attnzoo.inference.lm_eval:main"
     seen = []
 
     def fake_cli():  # what lm_eval's CLI does with --model attnzoo --model_args ...: build the model from the registry
@@ -244,7 +244,7 @@ def test_command_line_end_to_end(run_dir, tmp_path):
     tasks = write_tasks(tmp_path, ["x", "y"])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
            "ATTNZOO_TEST_CACHE": str(SESSION_CACHE)}
-    r = subprocess.run([sys.executable, "-m", "attnzoo.lm_eval_adapter", "--model", "attnzoo", "--model_args",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.inference.lm_eval", "--model", "attnzoo", "--model_args",
                         f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen", "--include_path", str(tasks),
                         "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from attnzoo.config import SchedulerConfig
+from attnzoo.config.schema import SchedulerConfig
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks, TextDataConfig, TextDataModule
 from attnzoo.data.tokenizer import BPETokenizer, CharTokenizer, get_tokenizer
-from attnzoo.lit import lr_lambda, noam_lr, param_groups
-from attnzoo.model import DecoderLM, sample_next
+from attnzoo.training.lit_lm import lr_lambda, noam_lr, param_groups
+from attnzoo.models.decoder import DecoderLM, sample_next
 from tests.conftest import tiny_model_cfg
 
 

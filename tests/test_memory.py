@@ -12,13 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnzoo import hooks, moe
+from attnzoo.layers import aux_loss as hooks
+
+from attnzoo.layers import moe
 from attnzoo.bench.mixers import PeakMemory
-from attnzoo.config import ConfigError, ModelConfig, TrainerConfig
-from attnzoo.model import DecoderLM
+from attnzoo.config.schema import ConfigError, ModelConfig, TrainerConfig
+from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.cross_entropy import chunked_cross_entropy, reference_cross_entropy
-from attnzoo.packing import Documents
-from attnzoo.validation import _check_memory, validate
+from attnzoo.ops.packing import Documents
+from attnzoo.training.config_checks import _check_memory, validate
 from tests.conftest import SMALL_TEXT, compose_cfg, gap_atol, tiny_model_cfg
 
 V = 37
@@ -228,7 +230,7 @@ def test_compiled_checkpointed_model_gives_the_eager_gradients():
 
 # ----------------------------------------------------------------------------- LitLM: both options
 def test_lit_training_step_with_both_options_equals_the_plain_one():
-    from attnzoo.lit import LitLM
+    from attnzoo.training.lit_lm import LitLM
 
     model_cfg = tiny_model_cfg("gqa", ffn=MOE, tie_embeddings=True)
     mods = {}
@@ -265,7 +267,7 @@ def _cp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
     from attnzoo.bench.context_parallel import _init
-    from attnzoo.parallel import ContextParallel, check_layout, sharded
+    from attnzoo.distributed.context_parallel import ContextParallel, check_layout, sharded
 
     _init(rank, world, port, 1)
     group = dist.new_group(list(range(world)))
@@ -321,7 +323,7 @@ def _losses(run_dir: Path) -> dict:
 
 
 def test_training_with_both_options_logs_the_plain_losses(tmp_path):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     plain = train(compose_cfg(FAST, tmp_path / "plain"))
     memory = train(compose_cfg(FAST + ["trainer.activation_checkpointing=true", "trainer.ce_chunk_tokens=24"],

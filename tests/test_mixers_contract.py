@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from attnzoo.model import DecoderLM
-from attnzoo.registry import MIXERS
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.config.registry import MIXERS
 from tests.conftest import gap_atol, tiny_model_cfg
 
 # every mixer as configured by default, every mixer with a short conv of kernel 3, and q/k norm where offered

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from attnzoo.config import ConfigError, resolve_model
-from attnzoo.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig
-from attnzoo.model import DecoderLM
-from attnzoo.moe import MoE, MoEConfig, grouped_mm_works
+from attnzoo.config.schema import ConfigError, resolve_model
+from attnzoo.layers.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.layers.moe import MoE, MoEConfig, grouped_mm_works
 from tests.conftest import gap_atol
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -284,7 +284,7 @@ def test_aux_loss_reaches_the_training_loss():
 
 
 def test_lightning_training_step_adds_aux_loss():
-    lit = pytest.importorskip("attnzoo.lit")
+    lit = pytest.importorskip("attnzoo.training.lit_lm")
     cfg = {"model": tiny_lm_cfg(n_experts=4, top_k=2)}
     cfg["model"].pop("vocab_size")
     module = lit.LitLM(cfg, vocab_size=61)
@@ -515,7 +515,7 @@ def test_config_errors_name_the_field(bad, field):
 def test_train_end_to_end_with_moe_balances(tmp_path):
     """`attnzoo-train model/ffn=moe debug=smoke`: the MoE metrics are logged, the load stays bounded
     (max/mean <= E/K = 4 always; balanced training keeps it well under), params/active < params/total."""
-    train_mod = pytest.importorskip("attnzoo.train")
+    train_mod = pytest.importorskip("attnzoo.training.run")
     from tests.conftest import SMALL_TEXT, compose_cfg
 
     out = tmp_path / "run"
@@ -537,7 +537,7 @@ def test_train_end_to_end_with_moe_balances(tmp_path):
 
 def test_grouped_mm_probe_does_not_depend_on_grad_mode(monkeypatch):
     """The probe's first call may come from an eval/no_grad forward; it must not cache a false 'unavailable'."""
-    import attnzoo.moe as moe_mod
+    import attnzoo.layers.moe as moe_mod
 
     monkeypatch.setattr(moe_mod, "_GROUPED_MM_OK", {})
     with torch.no_grad():

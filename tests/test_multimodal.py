@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.config import resolve_model
-from attnzoo.vision import VisionLanguageModel
-from attnzoo.vision.connectors import GatedCrossAttention, PerceiverResampler
+from attnzoo.config.schema import ConfigError
+from attnzoo.config.schema import resolve_model
+from attnzoo.models.vision import VisionLanguageModel
+from attnzoo.models.vision.connectors import GatedCrossAttention, PerceiverResampler
 from tests.conftest import compose_cfg
 
 TOL = 1e-5
@@ -204,7 +204,7 @@ def test_flops_per_token_include_the_image_side():
     (["model/position=learned", "model.max_seq_len=20"], "model.max_seq_len", "cannot hold the image tokens and the text (32)"),
 ])
 def test_bad_vlm_config_is_one_line(overrides, field, phrase, tmp_path):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     with pytest.raises(ConfigError) as e:
         train(compose_cfg(["model=vlm", "data=shapes", "debug=smoke", "data.seq_len=16", *overrides], tmp_path / "run"))
@@ -219,9 +219,9 @@ def test_connector_yamls_are_connector_options():
 
     import yaml
 
-    from attnzoo.paths import CONF_DIR
-    from attnzoo.validation import validate
-    from attnzoo.vision.options import ConnectorConfig
+    from attnzoo.config.paths import CONF_DIR
+    from attnzoo.training.config_checks import validate
+    from attnzoo.models.vision.options import ConnectorConfig
 
     names = {f.name for f in dataclasses.fields(ConnectorConfig)}
     files = sorted((CONF_DIR / "model" / "connector").glob("*.yaml"))
@@ -240,7 +240,7 @@ def test_vlm_learns_easy_shapes_vqa(tmp_path):
     """One object per scene, colour / shape / count questions (chance of the text prior ~0.42): the
     cross-attention VLM answers >= 60% exactly after 250 steps (about 20 s on one CPU thread; measured 0.68),
     with the multimodal metrics in summary.json."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     metrics = train(compose_cfg(["experiment=vlm_shapes", "model/connector=cross_attention", "data.max_objects=1",
@@ -259,8 +259,8 @@ def test_multimodal_smoke_sweep_reports_every_connector(tmp_path):
     """`attnzoo-sweep multimodal debug=smoke` on a cut grid: every job ok, with the multimodal metrics in the report."""
     import csv
 
-    from attnzoo.report import build_report
-    from attnzoo.sweep import main as sweep_main
+    from attnzoo.analysis.report import build_report
+    from attnzoo.cli.sweep import main as sweep_main
     from tests.conftest import SESSION_CACHE
 
     d = tmp_path / "mm"
@@ -287,7 +287,7 @@ def test_concat_keeps_the_image_in_its_tokens_while_training(tmp_path):
     from omegaconf import OmegaConf
 
     from attnzoo.data.shapes import ShapesConfig, ShapesDataModule
-    from attnzoo.lit import param_groups
+    from attnzoo.training.lit_lm import param_groups
 
     cfg = compose_cfg(["experiment=vlm_shapes", "data.max_objects=1", "data.relations=false"], tmp_path)
     dm = ShapesDataModule(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ShapesConfig), cfg.data)), seed=0)

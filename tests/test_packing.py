@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from attnzoo.data.text import DocumentRows, PackedBlocks
-from attnzoo.errors import ConfigError
-from attnzoo.model import DecoderLM
-from attnzoo.packing import Documents, masked_conv
-from attnzoo.registry import MIXERS
-from attnzoo.train import train
-from attnzoo.validation import validate
+from attnzoo.config.errors import ConfigError
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.ops.packing import Documents, masked_conv
+from attnzoo.config.registry import MIXERS
+from attnzoo.training.run import train
+from attnzoo.training.config_checks import validate
 from tests.conftest import SMALL_TEXT, compose_cfg, gap_atol, tiny_model_cfg
 
 LENGTHS = [[5, 12, 3, 20], [1, 30, 9]]  # two rows of 40 tokens, 7 documents (one of a single token)
@@ -89,7 +89,7 @@ def _model(name, extra, pos, impl, **kw):
 def strategy(request, monkeypatch):
     """Both execution strategies: each document by its own call (few documents) and one batched call under the
     mask / over gathered rows (many documents)."""
-    import attnzoo.packing as packing
+    import attnzoo.ops.packing as packing
 
     monkeypatch.setattr(packing, "SPLIT_MAX_DOCUMENTS", 1000 if request.param == "split" else 0)
     return request.param
@@ -207,7 +207,7 @@ def test_document_rows_predict_the_same_targets_as_packing():
 
 
 def test_loss_on_a_packed_batch_is_the_token_mean_over_documents(tmp_path):
-    from attnzoo.lit import LitLM
+    from attnzoo.training.lit_lm import LitLM
 
     cfg = {"model": tiny_model_cfg("gated_deltanet"), "trainer": {"max_steps": 1}}
     lit = LitLM(cfg, vocab_size=50).double()  # fp64 model; the loss's cross entropy runs on fp32 logits

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo.position import RotaryEmbedding, rope_frequencies
+from attnzoo.layers.position import RotaryEmbedding, rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from attnzoo.model import DecoderLM  # noqa: E402
+from attnzoo.models.decoder import DecoderLM  # noqa: E402
 from tests.conftest import fp32_atol, gap_atol  # noqa: E402
 from tests.test_hf_parity_attention import RTOL, V, build_hf, copy_attention, copy_common, hf_common  # noqa: E402
 

@@ -4,7 +4,7 @@ at chance. Guards the recipe itself (conv, untied head, no positions, optimiser)
 docs/sweeps.md once reported attention failing recall (issue 13)."""
 import pytest
 
-from attnzoo.train import train
+from attnzoo.training.run import train
 from tests.conftest import compose_cfg
 
 # N=4 pairs in 32 tokens, d_model 64, 4 heads: 5-15 s per run on one thread (early stop at 99%)

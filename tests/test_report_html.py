@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from attnzoo.report import _JS, build_report
+from attnzoo.analysis.report import _JS, build_report
 
 # a stand-in for the browser DOM, just what report.html's script touches: querySelectorAll('th' | 'input.filter'
 # | ...), closest, querySelector('tbody'), rows, children, cellIndex, dataset, textContent, appendChild

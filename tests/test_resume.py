@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.rundir import LOCK_NAME, run_dir_lock
-from attnzoo.train import resume_argv, train
+from attnzoo.config.schema import ConfigError
+from attnzoo.training.rundir import LOCK_NAME, run_dir_lock
+from attnzoo.training.run import resume_argv, train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 # constant LR after warmup: a run stopped at step 4 and resumed to 8 follows the same schedule as one run to 8
@@ -58,7 +58,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, extra):
 def test_checkpoint_restores_the_random_generators_and_the_throughput_window(tmp_path):
     """The generators continue where the checkpoint left them (a dropout run resumed equals the uninterrupted
     one, above); the throughput window in progress is restored, so perf rows come at the same steps."""
-    from attnzoo.callbacks import ThroughputMonitor
+    from attnzoo.training.callbacks import ThroughputMonitor
 
     ref, split = tmp_path / "ref", tmp_path / "split"
     extra = ["trainer.val_check_interval=8", "callbacks.checkpoint_every_n_steps=8"]
@@ -107,7 +107,7 @@ def _draw_from_every_generator() -> None:
 def test_checkpoint_round_trip_restores_every_generator(tmp_path):
     """The states a checkpoint file holds (saved, written, read back with weights_only=True) are restored
     exactly for every generator after they have all moved on."""
-    from attnzoo.lit import TrainingModule
+    from attnzoo.training.lit_lm import TrainingModule
 
     _draw_from_every_generator()
     ckpt: dict = {}
@@ -132,7 +132,7 @@ def test_resume_restores_every_generator_to_the_checkpoint(tmp_path, monkeypatch
 
     from lightning.pytorch import seed_everything
 
-    from attnzoo.lit import TrainingModule, set_rng_states
+    from attnzoo.training.lit_lm import TrainingModule, set_rng_states
 
     run = tmp_path / "r"
     with monkeypatch.context() as m:  # every generator drawn from at each step (a numpy augmentation, say), so
@@ -199,10 +199,10 @@ def test_resume_hint_printed_after_a_run_works_when_pasted(tmp_path):
     run = tmp_path / "r"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "model.d_model=48", "model.n_heads=4",
+    first = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "model.d_model=48", "model.n_heads=4",
                             "trainer.max_steps=4", *common], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = subprocess.run([sys.executable, "-m", "attnzoo.train", "--resume", str(run), "trainer.max_steps=8"],
+    second = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "--resume", str(run), "trainer.max_steps=8"],
                             env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert sorted(train_losses(run)) == list(range(8))
@@ -232,16 +232,16 @@ def test_refused_run_keeps_the_run_dirs_hydra_record(tmp_path):
     run = tmp_path / "r"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=4", *common], env=env,
+    first = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=4", *common], env=env,
                            capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-2000:]
     record = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
     assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"} and b"trainer.max_steps=4" in record["overrides.yaml"]
-    refused = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=8", "model/mixer=mla",
+    refused = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=8", "model/mixer=mla",
                               "ckpt_path=last", *common], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "another model/data config" in refused.stderr
     assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == record
-    accepted = subprocess.run([sys.executable, "-m", "attnzoo.train", *BASE, "trainer.max_steps=8", "ckpt_path=last",
+    accepted = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=8", "ckpt_path=last",
                                *common], env=env, capture_output=True, text=True)
     assert accepted.returncode == 0, accepted.stderr[-2000:]
     assert b"trainer.max_steps=8" in (run / ".hydra" / "overrides.yaml").read_bytes()  # the accepted run's record
@@ -251,7 +251,7 @@ def test_metrics_csv_is_on_disk_at_every_checkpoint_and_rewritten_atomically(tmp
     """The kill/resume trials found metrics.csv missing rows after a SIGKILL: Lightning flushed the CSV every
     100 steps and rewrote it in place (open 'w', then write) whenever a column appeared. Now every checkpoint
     flushes the rows logged so far, and rewrites go through a temp file and os.replace."""
-    from attnzoo.csv_logger import _write_atomically
+    from attnzoo.training.csv_logger import _write_atomically
 
     out = tmp_path / "r"
     train(compose_cfg(BASE + ["trainer.max_steps=8"], out))
@@ -303,7 +303,7 @@ def test_resume_continues_the_tensorboard_folder_and_the_wandb_run(tmp_path, mon
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run = tmp_path / "r"
     loggers = ["logger=[csv,tensorboard,wandb]", "trainer.log_every_n_steps=1"]
-    import attnzoo.train as train_mod
+    import attnzoo.training.run as train_mod
 
     # under Hydra the folder is named from the overrides, which the resume changes (a larger max_steps)
     monkeypatch.setattr(train_mod, "run_label", lambda: "max_steps=4")

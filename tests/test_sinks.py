@@ -4,7 +4,7 @@ wrap-arounds) == full forward, reference == fast, cache bytes measured == analyt
 import pytest
 import torch
 
-from attnzoo.model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 from tests.conftest import tiny_model_cfg
 
 V, W, S = 64, 6, 2

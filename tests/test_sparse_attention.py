@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
-from attnzoo.model import DecoderLM
+from attnzoo.config.schema import ConfigError
+from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.sparse_attention import block_means, moba_attention, moba_keys, nsa_attention, nsa_keys
 from tests.conftest import gap_atol, tiny_model_cfg
 
@@ -244,7 +244,7 @@ def test_flops_count_the_sparse_keys():
     (["model/mixer=moba", "model/position=alibi"], "model.position.name"),
 ])
 def test_bad_options_refused_in_one_line(make_cfg, override, field):
-    from attnzoo.validation import validate
+    from attnzoo.training.config_checks import validate
 
     cfg = make_cfg("debug=smoke", "data.seq_len=32", *override)
     with pytest.raises(ConfigError) as e:
@@ -256,7 +256,7 @@ def test_bad_options_refused_in_one_line(make_cfg, override, field):
 def test_trains_and_generates(make_cfg):
     """The smoke run of each through the whole app on the small char corpus: the validation loss falls and ends
     below the uniform ln(V); the cache is reported."""
-    from attnzoo.train import train
+    from attnzoo.training.run import train
     from tests.conftest import SMALL_TEXT, assert_learns
 
     for mixer in ("nsa", "moba"):

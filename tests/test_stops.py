@@ -1,4 +1,4 @@
-"""How long a run trains (attnzoo/stops.py): trainer.max_steps / max_tokens / max_flops, whichever comes first;
+"""How long a run trains (attnzoo/config/stops.py): trainer.max_steps / max_tokens / max_flops, whichever comes first;
 the budget becomes steps once the model is built, the learning-rate schedule decays over them, and
 train/tokens / train/flops are logged as the run goes."""
 import csv
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from attnzoo.stops import run_length, tokens_per_step
-from attnzoo.train import train
+from attnzoo.config.stops import run_length, tokens_per_step
+from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 B, T = 4, 16

@@ -10,13 +10,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-from attnzoo.budget import count_params, match_budget
-from attnzoo.config import ConfigError
-from attnzoo.validation import validate
-from attnzoo.paths import CONF_DIR, sweeps_dir
-from attnzoo.report import build_report
-from attnzoo.sweep import available
-from attnzoo.sweep import main as sweep_main
+from attnzoo.training.budget import count_params, match_budget
+from attnzoo.config.schema import ConfigError
+from attnzoo.training.config_checks import validate
+from attnzoo.config.paths import CONF_DIR, sweeps_dir
+from attnzoo.analysis.report import build_report
+from attnzoo.cli.sweep import available
+from attnzoo.cli.sweep import main as sweep_main
 from tests.conftest import SESSION_CACHE, SMALL_TEXT
 
 SWEEPS = available()
@@ -250,7 +250,7 @@ def test_wandb_with_a_key_but_no_server_falls_back_to_offline_quickly(tmp_path, 
     import socket
     import time
 
-    from attnzoo.wandb_logger import make_wandb_logger
+    from attnzoo.training.wandb_logger import make_wandb_logger
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -276,7 +276,7 @@ def test_optuna_hparams_search_smoke(tmp_path):
     import yaml
 
     d = tmp_path / "optuna"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
                         "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
                         f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
                        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -319,8 +319,8 @@ def test_long_context_recall_smoke_sweep_reports_every_length(tmp_path):
 
 
 def attnzoo_model(summary: dict):
-    from attnzoo.config import resolve_model
-    from attnzoo.model import DecoderLM
+    from attnzoo.config.schema import resolve_model
+    from attnzoo.models.decoder import DecoderLM
 
     return DecoderLM(resolve_model(summary["config"]["model"]), vocab_size=summary["model"]["vocab_size"])
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from attnzoo.config import ConfigError, tagged
+from attnzoo.config.schema import ConfigError, tagged
 from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.data.copying import BLANK, SEP, generate_copying, generate_selective_copying
 from attnzoo.data.induction import TRIGGER, generate_induction
@@ -73,7 +73,7 @@ def test_mqar_fillers_random_or_zero():
 def test_mqar_pairs_clip_to_seq_len_under_smoke(tmp_path):
     cfg = compose_cfg(["experiment=mqar", "debug=smoke", "data.num_kv_pairs=16"], tmp_path)
     assert cfg.data.seq_len == 32
-    from attnzoo.validation import validate
+    from attnzoo.training.config_checks import validate
 
     dm = build_datamodule(validate(cfg)["data"], cache_dir=str(tmp_path), seed=0)
     dm.setup()
@@ -199,7 +199,7 @@ def test_copy_len_too_long_is_a_config_error():
 def test_task_trains_and_reports_answer_accuracy(tmp_path, task):
     import json
 
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / task
     metrics = train(compose_cfg([f"data={task}", "model/ffn=none", "model.n_layers=2", "debug=smoke", "data.train_size=64", "data.val_size=8",

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from attnzoo.train import train
+from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, assert_learns, compose_cfg
 
 FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8",
@@ -71,7 +71,7 @@ def test_resume_continues_from_saved_step(tmp_path):
 
 
 def test_missing_checkpoint_fails_before_work(tmp_path):
-    from attnzoo.config import ConfigError
+    from attnzoo.config.schema import ConfigError
 
     out = tmp_path / "c"
     with pytest.raises(ConfigError, match="ckpt_path"):

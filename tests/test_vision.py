@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from attnzoo.config import ConfigError
+from attnzoo.config.schema import ConfigError
 from attnzoo.data.digits import DigitsConfig, DigitsDataModule
 from attnzoo.data.shapes import VOCAB, ShapesConfig, ShapesDataModule, shape_mask
 from attnzoo.data.synthetic import example_hashes
-from attnzoo.vision.classifier import ImageClassifier
-from attnzoo.vision.swin import relative_position_index, shifted_window_mask, window_partition
+from attnzoo.models.vision.classifier import ImageClassifier
+from attnzoo.models.vision.swin import relative_position_index, shifted_window_mask, window_partition
 from tests.conftest import compose_cfg
 
 TOL = 1e-5
@@ -290,7 +290,7 @@ def test_classifier_flops_match_a_flop_counter():
     (["model=vit", "data=shapes", "data.task=classify", "data.canvas=9"], "data.canvas", "not a multiple of grid=2"),
 ])
 def test_bad_vision_config_is_one_line(overrides, field, phrase, tmp_path):
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     with pytest.raises(ConfigError) as e:
         train(compose_cfg(["debug=smoke", *overrides], tmp_path / "run"))
@@ -311,7 +311,7 @@ def test_classifier_trains_from_the_cli_configs(overrides, acc, tmp_path):
     for the Swin on one CPU thread; measured 0.85+ and 0.94)."""
     import json
 
-    from attnzoo.train import train
+    from attnzoo.training.run import train
 
     out = tmp_path / "run"
     metrics = train(compose_cfg([*overrides, "trainer.max_steps=150", "trainer.val_check_interval=150",

@@ -16,13 +16,13 @@ from omegaconf import DictConfig
 def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
     """Compose conf/train.yaml with command-line style overrides, outside a Hydra run. The run directory is
     `outputs/api/<date>_<time>` (as the CLI's `outputs/<task>/<date>_<time>`) unless `paths.output_dir=` is
-    given, so `attnzoo.train.train(cfg)` never writes checkpoints into the current directory itself."""
+    given, so `attnzoo.training.run.train(cfg)` never writes checkpoints into the current directory itself."""
     import time
 
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from .paths import CONF_DIR
+    from attnzoo.config.paths import CONF_DIR
 
     gh = GlobalHydra.instance()
     if gh.is_initialized():
@@ -36,15 +36,15 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> Di
 
 def load(path, **kwargs):
     """A trained run: `attnzoo.load(run_dir_or_ckpt)` -> LoadedRun(model, lit, config, datamodule, ...);
-    see attnzoo.inference (best=True for best.ckpt, device=...)."""
-    from .inference import load as _load
+    see attnzoo.inference.generate (best=True for best.ckpt, device=...)."""
+    from attnzoo.inference.generate import load as _load
 
     return _load(path, **kwargs)
 
 
 def build_model(cfg: Any = "default", vocab_size: int | None = None, overrides: Sequence[str] = ()):
     """A `DecoderLM` from a model config (DictConfig / dict / ModelConfig) or a preset name in conf/model/."""
-    from .model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     if isinstance(cfg, str):
         cfg = load_config([f"model={cfg}", *overrides]).model

@@ -1,3 +1,3 @@
-from .cli import main
+from attnzoo.bench.cli import main
 
 main()

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..model import DecoderLM
+from attnzoo.models.decoder import DecoderLM
 
 HELP = "KV-cache bytes (analytic + measured) and decode/prefill tokens/s for mha/gqa/mqa/sliding_window/mla"
 MIB = 2**20

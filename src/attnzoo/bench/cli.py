@@ -64,8 +64,8 @@ def write_result(name: str, result: dict, out: Path, argv: list[str]) -> tuple[P
 
 def check_common(args) -> None:
     """--threads and --out, one line each (ConfigError) before any benchmark runs."""
-    from ..errors import ConfigError
-    from ..paths import check_dir_path
+    from attnzoo.config.errors import ConfigError
+    from attnzoo.config.paths import check_dir_path
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"must be >= 1, got {args.threads}; allowed: omit it for torch's default", field="--threads")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
                 p.set_defaults(**mod.QUICK)
     args = parser.parse_args(argv)
-    from ..errors import ConfigError
+    from attnzoo.config.errors import ConfigError
 
     try:
         check_common(args)  # before the benchmark runs: a bad --out would otherwise fail after minutes of work

@@ -96,8 +96,8 @@ def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, ba
     """One equivalence check on this rank (collective: every rank of `group` calls it with the same args)."""
     import torch.distributed as dist
 
-    from ..model import DecoderLM
-    from ..parallel import ContextParallel, check_layout, sharded
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.distributed.context_parallel import ContextParallel, check_layout, sharded
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = model_cfg(case)
@@ -152,7 +152,7 @@ def _min_segment(cfg: dict) -> int:
 def _check_worker(rank: int, world: int, port: int, jobs: list, out_path: str) -> None:
     import torch.distributed as dist
 
-    from ..errors import ConfigError
+    from attnzoo.config.errors import ConfigError
 
     _init(rank, world, port, 1)
     group = dist.new_group(list(range(world)))
@@ -188,8 +188,8 @@ def _rss_bytes() -> int:
 def _time_worker(rank: int, world: int, port: int, spec: dict, out_path: str) -> None:
     import torch.distributed as dist
 
-    from ..model import DecoderLM
-    from ..parallel import ContextParallel, check_layout, sharded
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.distributed.context_parallel import ContextParallel, check_layout, sharded
 
     if world > 1:
         _init(rank, world, port, spec["threads"])
@@ -255,7 +255,7 @@ QUICK = {"seq_len": 256, "steps": 1}
 
 
 def run(args) -> dict:
-    from ..parallel import resolve_layout
+    from attnzoo.distributed.context_parallel import resolve_layout
 
     if args.check:
         rows = []

@@ -2,7 +2,7 @@
 
 Each row is a real `train()` run of 20 optimizer steps read back from its summary (`perf/tokens_per_sec`,
 all ranks together, over the last 10-step window, the ThroughputMonitor default, which the DDP workers
-use too). `trainer=ddp_cpu` starts 2 worker processes with cores/2 threads each (attnzoo.launch), so
+use too). `trainer=ddp_cpu` starts 2 worker processes with cores/2 threads each (attnzoo.training.launch), so
 the fair single-process baselines are 1 process x all threads and 1 process x cores/2 threads:
 DDP efficiency = tokens/s per DDP process / tokens/s of one process with the same thread count.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .train import attnzoo_run, base_overrides
+from attnzoo.bench.train import attnzoo_run, base_overrides
 
 HELP = "DDP overhead: tokens/s of the same step on 1 process vs 2 CPU processes (trainer=ddp_cpu)"
 WINDOW = 10  # ThroughputMonitor's default window, the one the DDP worker processes use

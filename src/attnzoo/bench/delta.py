@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent
+from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent
 
 HELP = "gated delta rule: chunkwise vs recurrent vs transformers' torch_chunk_gated_delta_rule (tokens/s)"
 

@@ -111,7 +111,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 # ------------------------------------------------------------------------------------------ mixer cases
 def build_mixer(mixer_cfg: dict, s: Sizes, device: torch.device):
-    from ..model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     torch.manual_seed(0)
     cfg = {"d_model": s.d_model, "n_heads": s.n_heads, "n_kv_heads": s.n_kv_heads, "n_layers": 1,
@@ -164,7 +164,7 @@ def mixer_case(mixer_cfg: dict, kernel: str, dtype_name: str, *, flash: bool = F
 def fast_path_spy(kernel: str, flash: bool):
     """Counts calls of the fast path `kernel` names (SDPA flash: forced by sdpa_kernel, counted as ran)."""
     if kernel == "fla":
-        from ..ops import fla_kernels
+        from attnzoo.ops import fla_kernels
 
         with spy(fla_kernels, "fla_chunk_delta_rule") as a, spy(fla_kernels, "fla_chunk_linear_attention") as b:
             calls = [0]
@@ -172,7 +172,7 @@ def fast_path_spy(kernel: str, flash: bool):
             calls[0] = a[0] + b[0]
             return
     if kernel == "flex":
-        from ..ops import flex
+        from attnzoo.ops import flex
 
         with spy(flex, "flex_sliding_window") as calls:
             yield calls
@@ -199,8 +199,8 @@ def op_case(kind: str, dtype_name: str) -> Callable:
     """fla ops with initial and final states, flex masks: fast op vs torch op on the same inputs."""
 
     def run(ctx: "Context") -> dict:
-        from ..ops.delta_rule import chunk_delta_rule
-        from ..ops.linear_attention import chunk_linear_attention
+        from attnzoo.ops.delta_rule import chunk_delta_rule
+        from attnzoo.ops.linear_attention import chunk_linear_attention
 
         s, device = ctx.sizes, ctx.device
         dtype = DTYPES[dtype_name] if device.type == "cuda" else torch.float32  # cpu: the harness in fp32
@@ -208,8 +208,8 @@ def op_case(kind: str, dtype_name: str) -> Callable:
         B, T, H, D = s.batch, s.T, s.n_heads, s.d_model // s.n_heads
         rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
         if kind.startswith("flex"):
-            from ..mixers.attention import sink_window_attention
-            from ..ops import flex
+            from attnzoo.mixers.attention import sink_window_attention
+            from attnzoo.ops import flex
 
             Hkv = s.n_kv_heads
             ins = {"q": rnd(B, H, T, D), "k": rnd(B, Hkv, T, D), "v": rnd(B, Hkv, T, D)}
@@ -230,7 +230,7 @@ def op_case(kind: str, dtype_name: str) -> Callable:
             return compare_ops(fast, reference, ins, dtype_name, backward=backward, device=device)
         if device.type != "cuda":
             return {"skip": "needs CUDA with fla-core + triton"}
-        from ..ops import fla_kernels
+        from attnzoo.ops import fla_kernels
 
         if kind == "fla_linear":
             Df = D
@@ -244,7 +244,7 @@ def op_case(kind: str, dtype_name: str) -> Callable:
             def fast(t):
                 return fla_kernels.fla_chunk_linear_attention(t["q"], t["k"], t["v"], t["h0"], dtype=dtype)
         else:
-            from ..mixers.recurrent_base import l2norm
+            from attnzoo.mixers.recurrent_base import l2norm
 
             ins = {"q": l2norm(rnd(B, H, T, D)), "k": l2norm(rnd(B, H, T, D)), "v": rnd(B, H, T, D),
                    "beta": torch.sigmoid(rnd(B, H, T)), "h0": 0.1 * rnd(B, H, D, D)}
@@ -350,7 +350,7 @@ def sizes_for(args) -> Sizes:
 
 
 def run(args) -> dict:
-    from ..errors import ConfigError
+    from attnzoo.config.errors import ConfigError
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device is visible; allowed here: --device cpu (the harness on the torch paths)",

@@ -45,7 +45,7 @@ def build_pair(args):
     """(ours, hf) in eval mode with identical weights (HF's random init copied into ours)."""
     import transformers
 
-    from ..model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     ours = DecoderLM({
         "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,

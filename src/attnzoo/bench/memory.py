@@ -59,8 +59,8 @@ def _rss_bytes() -> int:
 
 
 def _worker(_rank: int, spec: dict, out_path: str) -> None:
-    from ..lit import LitLM
-    from .mixers import peak_bytes
+    from attnzoo.training.lit_lm import LitLM
+    from attnzoo.bench.mixers import peak_bytes
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])

@@ -74,7 +74,7 @@ class PeakMemory(TorchDispatchMode):
 
 
 def build_mixer(name: str, args, max_len: int):
-    from ..model import DecoderLM
+    from attnzoo.models.decoder import DecoderLM
 
     mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
     cfg = {"d_model": args.d_model, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "n_layers": 1,
@@ -141,8 +141,8 @@ def measure(mixer, T: int, args, device) -> dict:
 
 
 def run(args) -> dict:
-    from ..ops.dispatch import layer_kernel, precision_compute_dtype
-    from ..registry import MIXERS
+    from attnzoo.ops.dispatch import layer_kernel, precision_compute_dtype
+    from attnzoo.config.registry import MIXERS
 
     if args.quick:
         quick(args)

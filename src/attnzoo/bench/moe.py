@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ffn import SwiGLU, SwiGLUConfig
-from ..moe import MoE, MoEConfig, grouped_mm_works
-from .common import time_fn
+from attnzoo.layers.ffn import SwiGLU, SwiGLUConfig
+from attnzoo.layers.moe import MoE, MoEConfig, grouped_mm_works
+from attnzoo.bench.common import time_fn
 
 HELP = "MoE layer fwd+bwd tokens/s vs same-active-size dense SwiGLU vs the dense mask reference"
 

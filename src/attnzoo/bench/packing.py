@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .common import sync
+from attnzoo.bench.common import sync
 
 HELP = "packed documents (document masks) vs padded documents vs the plain stream: real tokens/s in training"
 
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 
 def _data(layout: str, seq_len: int, args):
-    from ..data.text import TextDataConfig, TextDataModule
+    from attnzoo.data.text import TextDataConfig, TextDataModule
 
     cfg = TextDataConfig(max_chars=args.max_chars, vocab_size=args.vocab_size, seq_len=seq_len,
                          batch_size=args.batch_size, **LAYOUTS[layout])
@@ -54,7 +54,7 @@ def _batches(dm, n: int, device):
 
 
 def _lit(mixer: str, seq_len: int, vocab: int, args):
-    from ..lit import LitLM
+    from attnzoo.training.lit_lm import LitLM
 
     model = {"d_model": args.d_model, "n_layers": args.layers, "n_heads": max(1, args.d_model // 64),
              "n_kv_heads": max(1, args.d_model // 128), "mixer": {"name": mixer}, "max_seq_len": seq_len}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.sliding_window import sliding_window_sdpa
-from .mixers import best_seconds
+from attnzoo.ops.sliding_window import sliding_window_sdpa
+from attnzoo.bench.mixers import best_seconds
 
 HELP = "sliding-window band kernel: keys scored / keys needed and ms per call, by query-block size"
 

@@ -3,12 +3,12 @@
 For each precision, in one process and one run:
 - `bare`: the model, data, AdamW (same param groups, betas, eps, weight decay), LR schedule, gradient
   clipping and autocast of the attnzoo run, in a plain PyTorch loop;
-- `attnzoo`: `attnzoo.train.train(cfg)` itself (Lightning Trainer, our callbacks, CSV logging, checkpoint
+- `attnzoo`: `attnzoo.training.run.train(cfg)` itself (Lightning Trainer, our callbacks, CSV logging, checkpoint
   at the end), read back from its `perf/tokens_per_sec`.
 Both warm up for `--steps` optimizer steps and then time `--steps` more the same way ThroughputMonitor
 does (wall clock from the first timed batch's start to the last batch's end; data loading included).
 MFU = tokens/s x analytic train FLOPs/token / the dense matmul peak of the same dtype measured in this
-process (`attnzoo.flops.measure_matmul_peak`, the number `train()` is also given).
+process (`attnzoo.models.flops.measure_matmul_peak`, the number `train()` is also given).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def base_overrides(args, precision: str, out: Path) -> list[str]:
 
 
 def compose(overrides: list[str]):
-    from ..api import load_config
+    from attnzoo.api import load_config
 
     cfg = load_config(overrides)
     # load_config appends paths.output_dir=. (no Hydra run dir); ours must win
@@ -76,7 +76,7 @@ def compose(overrides: list[str]):
 @contextlib.contextmanager
 def throughput_window(steps: int):
     """train() builds ThroughputMonitor with its default 10-step window; time the last `steps` instead."""
-    from .. import callbacks
+    from attnzoo.training import callbacks
 
     original = callbacks.ThroughputMonitor
 
@@ -109,7 +109,7 @@ def fused_adamw():
 
 def attnzoo_run(overrides: list[str], steps: int) -> dict:
     """`train()` on the composed config; returns its final metrics (perf/tokens_per_sec of the last window)."""
-    from ..train import train
+    from attnzoo.training.run import train
 
     with throughput_window(steps):
         return train(compose(overrides))
@@ -121,10 +121,10 @@ def bare_run(overrides: list[str], steps: int) -> dict:
 
     from omegaconf import OmegaConf
 
-    from ..config import OptimConfig, SchedulerConfig
-    from ..validation import validate
-    from ..data import build_datamodule
-    from ..lit import LitLM, lr_lambda, param_groups
+    from attnzoo.config.schema import OptimConfig, SchedulerConfig
+    from attnzoo.training.config_checks import validate
+    from attnzoo.data import build_datamodule
+    from attnzoo.training.lit_lm import LitLM, lr_lambda, param_groups
 
     cfg = compose(overrides)
     parts = validate(cfg)
@@ -169,7 +169,7 @@ def bare_run(overrides: list[str], steps: int) -> dict:
 
 
 def run(args) -> dict:
-    from ..flops import measure_matmul_peak, peak_flops, precision_dtype
+    from attnzoo.models.flops import measure_matmul_peak, peak_flops, precision_dtype
 
     if args.quick:
         quick(args)

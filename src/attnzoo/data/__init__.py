@@ -6,7 +6,7 @@ A data module registers `@register_data("name", ConfigDataclass)`; its config da
 import importlib
 import pkgutil
 
-from ..registry import Registry
+from attnzoo.config.registry import Registry
 
 
 def _load() -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import check
-from . import register_data
-from .synthetic import SyntheticConfig, SyntheticDataModule, sample_distinct
+from attnzoo.config.errors import check
+from attnzoo.data import register_data
+from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, sample_distinct
 
 BLANK, SEP, FIRST_DATA = 0, 1, 2
 

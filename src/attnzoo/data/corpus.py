@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from attnzoo.config.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tex", ".html", ".c", ".h")
 

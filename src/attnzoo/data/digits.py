@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..errors import ConfigError, check
-from . import register_data
-from .shapes import ImageDataModule
-from .synthetic import example_hashes
+from attnzoo.config.errors import ConfigError, check
+from attnzoo.data import register_data
+from attnzoo.data.shapes import ImageDataModule
+from attnzoo.data.synthetic import example_hashes
 
 N_IMAGES = 1797
 

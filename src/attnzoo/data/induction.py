@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import check
-from . import register_data
-from .synthetic import SyntheticConfig, SyntheticDataModule
+from attnzoo.config.errors import check
+from attnzoo.data import register_data
+from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule
 
 TRIGGER = 0
 

@@ -17,9 +17,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import check
-from . import register_data
-from .synthetic import SyntheticConfig, SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
+from attnzoo.config.errors import check
+from attnzoo.data import register_data
+from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
-from ..parallel import data_rank_world
+from attnzoo.distributed.context_parallel import data_rank_world
 
 
 def _rank_world() -> tuple[int, int]:

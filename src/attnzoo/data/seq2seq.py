@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..errors import check
-from . import register_data
-from .sampling import ResumableDataMixin
-from .synthetic import make_splits
+from attnzoo.config.errors import check
+from attnzoo.data import register_data
+from attnzoo.data.sampling import ResumableDataMixin
+from attnzoo.data.synthetic import make_splits
 
 PAD, BOS, EOS, FIRST_SYMBOL = 0, 1, 2, 3
 

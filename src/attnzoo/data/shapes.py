@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..errors import check, check_choice
-from . import register_data
-from .sampling import ResumableDataMixin
-from .synthetic import make_splits
+from attnzoo.config.errors import check, check_choice
+from attnzoo.data import register_data
+from attnzoo.data.sampling import ResumableDataMixin
+from attnzoo.data.synthetic import make_splits
 
 COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan")
 RGB = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255))

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ..errors import ConfigError, check
-from .sampling import ResumableDataMixin
+from attnzoo.config.errors import ConfigError, check
+from attnzoo.data.sampling import ResumableDataMixin
 
 log = logging.getLogger("attnzoo")
 

@@ -8,11 +8,11 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import ConfigError, check, check_choice
-from . import register_data
-from .corpus import load_corpus, load_documents, text_sha
-from .sampling import ResumableDataMixin
-from .tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
+from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.data import register_data
+from attnzoo.data.corpus import load_corpus, load_documents, text_sha
+from attnzoo.data.sampling import ResumableDataMixin
+from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
 
 
 @dataclass

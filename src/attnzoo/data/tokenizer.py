@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import follow_umask
+from attnzoo.config.paths import follow_umask
 
 SPECIALS = ["<|endoftext|>"]
 

@@ -5,7 +5,7 @@ A new mixer = one file here + one yaml in conf/model/mixer/; the shared tests pi
 import importlib
 import pkgutil
 
-from .base import Mixer  # noqa: F401
+from attnzoo.mixers.base import Mixer  # noqa: F401
 
 for _info in pkgutil.iter_modules(__path__):
     if _info.name != "base":

@@ -23,16 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import LayerCache
-from ..errors import ConfigError
-from ..ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
-from ..norm import RMSNorm
-from .. import parallel
-from ..ops.sliding_window import sliding_window_sdpa
-from ..ops.dispatch import mixer_kernel
-from ..position import rotary_from_config
-from ..registry import register_mixer
-from .base import Mixer, causal_attended, dtype_bytes, validate_conv
+from attnzoo.layers.kv_cache import LayerCache
+from attnzoo.config.errors import ConfigError
+from attnzoo.ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
+from attnzoo.layers.norm import RMSNorm
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.ops.sliding_window import sliding_window_sdpa
+from attnzoo.ops.dispatch import mixer_kernel
+from attnzoo.layers.position import rotary_from_config
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import Mixer, causal_attended, dtype_bytes, validate_conv
 
 
 class _Capacity:
@@ -349,7 +349,7 @@ class Attention(Mixer):
         return self.output(y, x)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> KVCache:
-        # kv_format (attnzoo.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
+        # kv_format (attnzoo.mixers.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
         return KVCache() if kv_format is None else kv_format.new_cache()
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
@@ -470,7 +470,7 @@ class SlidingWindowAttention(Attention):
         dropout_p = self.dropout if self.training else 0.0
         if q.shape[2] == k.shape[2] and mixer_kernel(self, q) == "flex":
             # CUDA with flex_attention (ops/dispatch.py): the band as a block mask, only its tiles computed
-            from ..ops.flex import flex_sliding_window
+            from attnzoo.ops.flex import flex_sliding_window
 
             return flex_sliding_window(q, k, v, window=self.window, scale=self.scale)
         return sliding_window_sdpa(q, k, v, window=self.window, scale=self.scale, dropout_p=dropout_p)

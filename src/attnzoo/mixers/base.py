@@ -67,7 +67,7 @@ class Mixer(nn.Module):
         "shift conv"; Allen-Zhu 2025's Canon-A layer). It lets one attention layer see the previous
         tokens' content, which associative recall needs (Arora et al. 2023, Zoology). No activation.
         The decode cache keeps its last conv_size - 1 inputs (`conv_tail`), counted in `cache_bytes`."""
-        from .short_conv import ShortConvolution
+        from attnzoo.mixers.short_conv import ShortConvolution
 
         if conv_size > 0:
             self.input_conv = ShortConvolution(self.d_model, conv_size, bias=bias, activation=None)
@@ -93,7 +93,7 @@ class Mixer(nn.Module):
         """`shift` over packed documents: the input conv never reads the previous document's tokens."""
         if self.input_conv is None:
             return x
-        from ..packing import masked_conv
+        from attnzoo.ops.packing import masked_conv
 
         return masked_conv(self.input_conv, x, documents.positions())
 
@@ -146,7 +146,7 @@ class Mixer(nn.Module):
 
 def validate_conv(cfg: Any, field: str) -> None:
     """A mixer config's `conv_size` (short causal conv, on the input or on q/k/v): >= 0, causal mixers only."""
-    from ..errors import ConfigError
+    from attnzoo.config.errors import ConfigError
 
     if cfg.conv_size < 0:
         raise ConfigError(f"must be >= 0 (0 = no conv), got {cfg.conv_size}", field=f"{field}.conv_size")

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import parallel
-from ..errors import ConfigError, check_choice
-from ..ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
-from ..ops.dispatch import compute_dtype, mixer_kernel
-from ..registry import register_mixer
-from .base import validate_conv
-from .recurrent_base import RecurrentMixer, l2norm, upcast
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
+from attnzoo.ops.dispatch import compute_dtype, mixer_kernel
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import validate_conv
+from attnzoo.mixers.recurrent_base import RecurrentMixer, l2norm, upcast
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DeltaNet(RecurrentMixer):
         elif mode == "reference":
             o, state = delta_rule_recurrent(q, k, v, beta, g, state)
         elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
-            from ..ops.fla_kernels import fla_chunk_delta_rule
+            from attnzoo.ops.fla_kernels import fla_chunk_delta_rule
 
             o, state = fla_chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, dtype=compute_dtype(x))
         else:

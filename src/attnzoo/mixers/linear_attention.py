@@ -20,13 +20,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import parallel
-from ..errors import ConfigError, check_choice
-from ..ops.dispatch import compute_dtype, mixer_kernel
-from ..ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
-from ..registry import register_mixer
-from .base import validate_conv
-from .recurrent_base import RecurrentMixer
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.ops.dispatch import compute_dtype, mixer_kernel
+from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import validate_conv
+from attnzoo.mixers.recurrent_base import RecurrentMixer
 
 FEATURE_MAPS = ("identity", "elu", "relu", "taylor2")
 
@@ -109,7 +109,7 @@ class LinearAttention(RecurrentMixer):
         elif mode == "reference":
             o, state = linear_attention_recurrent(q, k, v, state, self.scale)
         elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
-            from ..ops.fla_kernels import fla_chunk_linear_attention
+            from attnzoo.ops.fla_kernels import fla_chunk_linear_attention
 
             o, state = fla_chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, dtype=compute_dtype(x))
         else:

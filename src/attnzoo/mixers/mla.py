@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import LayerCache
-from ..errors import ConfigError, check_choice
-from ..norm import RMSNorm
-from .. import parallel
-from ..ops.attention import attention_mask, attention_reference, attention_sdpa
-from ..position import rotary_from_config
-from ..registry import register_mixer
-from .base import Mixer, causal_attended, dtype_bytes, validate_conv
+from attnzoo.layers.kv_cache import LayerCache
+from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.layers.norm import RMSNorm
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.ops.attention import attention_mask, attention_reference, attention_sdpa
+from attnzoo.layers.position import rotary_from_config
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import Mixer, causal_attended, dtype_bytes, validate_conv
 
 
 class LatentCache(LayerCache):

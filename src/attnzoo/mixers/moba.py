@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError
-from ..ops.sparse_attention import block_means, moba_attention, moba_keys
-from ..registry import register_mixer
-from .attention import Attention, AttentionConfig, KVCache
-from .base import Mixer, dtype_bytes
+from attnzoo.config.errors import ConfigError
+from attnzoo.ops.sparse_attention import block_means, moba_attention, moba_keys
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.attention import Attention, AttentionConfig, KVCache
+from attnzoo.mixers.base import Mixer, dtype_bytes
 
 
 class MoBACache(KVCache):

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..ops.sparse_attention import block_means, nsa_attention, nsa_keys
-from ..registry import register_mixer
-from .attention import Attention, AttentionConfig, KVCache
-from .base import Mixer, causal_attended, dtype_bytes
+from attnzoo.config.errors import ConfigError
+from attnzoo.ops.sparse_attention import block_means, nsa_attention, nsa_keys
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.attention import Attention, AttentionConfig, KVCache
+from attnzoo.mixers.base import Mixer, causal_attended, dtype_bytes
 
 
 class NSACache(KVCache):

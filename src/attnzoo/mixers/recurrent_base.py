@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import parallel
-from ..cache import LayerCache
-from ..packing import masked_conv
-from .base import Mixer, dtype_bytes
-from .short_conv import ShortConvolution
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.layers.kv_cache import LayerCache
+from attnzoo.ops.packing import masked_conv
+from attnzoo.mixers.base import Mixer, dtype_bytes
+from attnzoo.mixers.short_conv import ShortConvolution
 
 
 class RecurrentStateCache(LayerCache):

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..config import IMPLS
-from ..errors import ConfigError, check_choice
+from attnzoo.config.schema import IMPLS
+from attnzoo.config.errors import ConfigError, check_choice
 
 BACKENDS = ("torch", "fla", "flex")
 

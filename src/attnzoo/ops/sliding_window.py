@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .attention import attention_sdpa
+from attnzoo.ops.attention import attention_sdpa
 
 
 def sliding_window_sdpa(

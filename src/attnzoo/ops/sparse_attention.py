@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_mask
-from .sliding_window import sliding_window_sdpa
+from attnzoo.ops.attention import attention_mask
+from attnzoo.ops.sliding_window import sliding_window_sdpa
 
 NEG = -1.0  # below every probability: a block that may not be selected ranks after all that may
 

@@ -1,0 +1,1 @@
+"""Analysis of runs and sweeps: length extrapolation, multirun sweeps, reports."""

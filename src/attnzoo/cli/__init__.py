@@ -1,0 +1,1 @@
+"""Console-script entry points; each is thin and calls a library below."""

@@ -1,0 +1,82 @@
+"""`attnzoo-export RUN_DIR OUT_DIR`: a trained decoder LM as a transformers save_pretrained directory
+(attnzoo.interop.hf does the conversion)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.schema import resolve_model, tagged
+from attnzoo.data import DATAMODULES, build_datamodule
+from attnzoo.interop.hf.archs import _no, arch_for
+from attnzoo.interop.hf.convert import check_export_dir, export_model
+from attnzoo.training.checkpoint_io import check_checkpoint
+from attnzoo.training.families import family_of
+
+
+# ----------------------------------------------------------------------------- attnzoo-export
+
+
+def load_run_model(run: str | Path, best: bool = False):
+    """(DecoderLM in eval mode, its tokenizer or None, the run config) from a run dir or a .ckpt."""
+    p = Path(run).expanduser()
+    ckpt = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt") if p.is_dir() else p
+    if not ckpt.is_file():
+        raise ConfigError(f"{ckpt} does not exist; allowed: a run dir with checkpoints/{ckpt.name}, or a .ckpt file",
+                          field="RUN_DIR")
+    state = check_checkpoint(ckpt, field="RUN_DIR")
+    hp = state.get("hyper_parameters") or {}
+    cfg = hp.get("cfg")
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise ConfigError(f"{ckpt} carries no attnzoo run config (hyper_parameters.cfg)", field="RUN_DIR")
+    fam = family_of(cfg["model"])
+    if not fam.decoder_only:
+        raise _no("model.name", f"{cfg['model'].get('name')} ({fam.name} family; exported: decoder-only LMs)")
+    tokenizer, vocab = None, hp.get("vocab_size")
+    data_cfg = tagged(DATAMODULES, cfg.get("data"), "data", default_name="text")
+    if data_cfg.name == "text":  # the run's tokenizer (cached; rebuilt from the corpus otherwise)
+        dm = build_datamodule(data_cfg, cache_dir=(cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo",
+                              seed=cfg.get("seed", 0))
+        dm.setup("validate")
+        tokenizer, vocab = dm.tokenizer, dm.vocab_size
+    model = fam.build_model(resolve_model(cfg["model"], vocab_size=vocab), vocab)
+    weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"{ckpt}: the weights do not fit the config it carries ({str(e).splitlines()[0][:160]})",
+                          field="RUN_DIR") from None
+    return model.eval(), tokenizer, cfg
+
+
+def main(argv: Optional[list] = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-export", description="Write a trained decoder LM as a transformers "
+                                 "save_pretrained directory (config.json, model.safetensors, tokenizer files).")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("out", help="the output directory (AutoModelForCausalLM.from_pretrained(out) reads it)")
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    args = ap.parse_args(argv)
+    try:
+        out = Path(args.out).expanduser()
+        check_export_dir(out, empty=True)
+        model, tokenizer, cfg = load_run_model(args.run, args.best)
+        arch = arch_for(model)
+        try:
+            export_model(model, out, tokenizer)
+        except OSError as e:  # a full disk, a quota, a vanished directory: nothing partial is left (export_model)
+            raise ConfigError(f"cannot write {out} ({e.strerror or e}); nothing was written", field="OUT_DIR") from None
+        data = (cfg.get("data") or {}).get("name", "text")
+        print(f"attnzoo-export: wrote {out} ({arch.cls}, {model.num_params():,} parameters)")
+        if tokenizer is None:
+            print(f"attnzoo-export: data={data} has no tokenizer (its token ids are the task's own): weights and "
+                  f"config only")
+    except ConfigError as e:
+        print(f"attnzoo-export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""`attnzoo-sweep NAME [overrides...]`: run the named ablation `sweeps/NAME.yaml` as a Hydra multirun.
+
+A sweep file is a Hydra config (`# @package _global_`) that picks an experiment (`override /experiment: ...`,
+which sits before `debug` in the defaults list, so `debug=smoke` still shrinks it), may set a few fixed
+values, and lists its grid under `hydra.sweeper.params`. This command runs attnzoo-train's Hydra app as
+
+    attnzoo-train -m hydra.searchpath=[file://<dir holding sweeps/>] +sweeps=NAME [overrides...]
+
+Extra overrides pass through: `debug=smoke`, `logger=wandb`, `hydra.sweep.dir=...`, or a grid key given
+again (`model/mixer=gqa,mha`) which replaces that key's values from the sweep file (Hydra's basic sweeper:
+the command line wins per key). Jobs run two at a time in worker processes (`hydra/launcher=parallel`;
+`hydra/launcher=basic` runs them one after another in this process); a failing job is recorded in its own
+directory (error.txt, summary.json status "failed") and the sweep goes on; the sweep then prints
+"N ok, M failed" and exits 1 if any failed. SIGTERM or Ctrl-C stops the sweep with every process it
+started (worker processes, their resource trackers, the jobs' DDP workers) and exits 143 / 130.
+Rerun with the same `hydra.sweep.dir` to skip finished jobs and resume interrupted ones from their last.ckpt.
+Afterwards: `attnzoo-report <the sweep dir>`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from attnzoo.config.paths import sweeps_dir
+from attnzoo.distributed.processes import kill_tree
+
+USAGE = "usage: attnzoo-sweep NAME [hydra overrides...]   (NAME: one of {names})"
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in sweeps_dir().glob("*.yaml"))
+
+
+def hydra_argv(name: str, overrides: list[str]) -> list[str]:
+    """The attnzoo-train command line (without the program name) that runs sweep `name`: jobs side by side
+    on the `parallel` launcher (one per core pair of threads) unless the overrides pick a launcher."""
+    root = sweeps_dir().parent
+    launcher = [] if any(o.startswith(("hydra/launcher=", "hydra.launcher.")) for o in overrides) else [
+        "hydra/launcher=parallel", f"hydra.launcher.n_jobs={PARALLEL_JOBS}"]
+    return ["-m", f"hydra.searchpath=[file://{root}]", f"+{sweeps_dir().name}={name}", *launcher, *overrides]
+
+
+# jobs side by side on a local sweep: two (each on half the cores), or one on a single-core machine
+PARALLEL_JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+class SweepTally(Callback):
+    """After a multirun (any launcher): one line "N ok, M failed[, K skipped]" from the jobs' own
+    summary.json files, and exit status 1 when a job failed, so a script or CI notices. A job whose
+    summary predates this multirun was finished earlier and skipped (a rerun into the same sweep dir)."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        global _sweep_dir
+        self.start = time.time()
+        _sweep_dir = str(config.hydra.sweep.dir)  # named by the SIGTERM / SIGINT message
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        counts = {"ok": 0, "failed": 0, "skipped": 0, "incomplete": 0}
+        for job in Path(config.hydra.sweep.dir).iterdir():
+            summary = job / "summary.json"
+            if not (job.is_dir() and job.name.isdigit()):
+                continue
+            try:
+                status = json.loads(summary.read_text()).get("status")
+            except (OSError, ValueError):
+                status = None
+            if status == "ok" and summary.stat().st_mtime < getattr(self, "start", 0):
+                status = "skipped"
+            counts[status if status in counts else "incomplete"] += 1
+        line = f"attnzoo: {counts['ok']} ok, {counts['failed']} failed"
+        line += "".join(f", {counts[k]} {k}" for k in ("skipped", "incomplete") if counts[k])
+        print(line + (" (skipped: finished earlier)" if counts["skipped"] else ""), flush=True)
+        if counts["failed"]:
+            sys.exit(1)
+
+
+class SearchSpaceCheck(Callback):
+    """Before a multirun starts (nothing written yet): an Optuna study that cannot be sampled is refused in
+    one line, exit status 2, instead of a traceback from inside the sweeper (or, for zero trials, after it)."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        problem = check_search_space(config.hydra.sweeper, list(config.hydra.overrides.task))
+        if problem:
+            print(f"attnzoo: error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def check_search_space(sweeper, task_overrides: list[str]) -> str | None:
+    """One line naming the first setting of an Optuna sweeper (hydra-optuna-sweeper) that cannot run: a
+    search range (`hydra.sweeper.params.KEY`, or a `KEY=interval(..)` / `range(..)` override on the command
+    line, which the sweeper adds to the space) that is empty or a log range reaching 0, a study of no
+    trials, a failure rate outside [0, 1]. None for any other sweeper (grid sweeps enumerate their values)."""
+    if "optuna" not in str(sweeper.get("_target_", "")).lower():
+        return None
+    import logging
+
+    # importing optuna sets up alembic, whose INFO lines ("setup plugin ...") Hydra's console logger would show
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_override
+
+    n_trials, n_jobs = sweeper.get("n_trials"), sweeper.get("n_jobs")
+    if not (isinstance(n_trials, int) and n_trials >= 1):
+        return f"hydra.sweeper.n_trials: {n_trials}; allowed: an integer >= 1 (trials in the study)"
+    if not (isinstance(n_jobs, int) and n_jobs >= 1):
+        return f"hydra.sweeper.n_jobs: {n_jobs}; allowed: an integer >= 1 (trials launched at a time)"
+    rate = sweeper.get("max_failure_rate", 0.0)
+    if not 0.0 <= rate <= 1.0:
+        return f"hydra.sweeper.max_failure_rate: {rate}; allowed: [0, 1]"
+    space = [(f"hydra.sweeper.params.{k}", f"{k}={v}") for k, v in (sweeper.get("params") or {}).items()]
+    space += [(o.split("=", 1)[0], o) for o in task_overrides if "=" in o]
+    parser = OverridesParser.create()
+    for field, line in space:
+        given = line.split("=", 1)[1]
+        try:
+            o = parser.parse_override(line)
+        except Exception as e:  # noqa: BLE001 - Hydra's parser: its message's first line
+            return f"{field}: cannot parse {given!r} ({str(e).strip().splitlines()[0]})"
+        if not o.is_sweep_override():
+            continue  # a fixed value
+        v = o.value()
+        if o.is_interval_sweep():
+            if v.start > v.end:
+                return f"{field}: {given} has low > high; allowed: low <= high"
+            if "log" in v.tags and v.start <= 0:
+                return f"{field}: {given} is a log range with low <= 0; allowed: 0 < low <= high"
+        elif o.is_range_sweep() and not v.shuffle and (v.step <= 0 or v.start > v.stop):
+            return f"{field}: {given} is an empty range; allowed: range(start, stop, step) with start <= stop, step > 0"
+        try:  # anything else Optuna itself cannot sample
+            create_optuna_distribution_from_override(o)
+        except Exception as e:  # noqa: BLE001 - Optuna's ValueError / the sweeper's assertions
+            return f"{field}: {given} cannot be sampled by Optuna ({str(e).strip().splitlines()[0] or type(e).__name__})"
+    return None
+
+
+_sweep_dir = None  # this process's running multirun (SweepTally.on_multirun_start)
+
+
+def _launcher(overrides: list[str]) -> str:
+    picked = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra/launcher=")]
+    return picked[-1] if picked else "parallel"
+
+
+def _stop_everything(signum, frame) -> None:
+    """SIGTERM / SIGINT to a sweep whose jobs run in worker processes (joblib/loky): kill every process
+    the sweep started (the workers, their resource trackers, the jobs' DDP workers), say how to resume, and
+    exit 128 + the signal number. Without it the loky workers and trackers outlived the sweep by minutes.
+    A job's last.ckpt (written atomically) is where a rerun into the same sweep dir resumes it."""
+    killed = kill_tree()
+    where = f" with hydra.sweep.dir={_sweep_dir}" if _sweep_dir else ""
+    try:
+        print(f"attnzoo-sweep: {signal.Signals(signum).name}: stopped the sweep and its {len(killed)} worker "
+              f"processes; rerun the same command{where} to skip finished jobs and resume the others",
+              file=sys.stderr, flush=True)
+    except (OSError, RuntimeError):  # the signal came in the middle of a write to stderr (reentrant call)
+        pass
+    os._exit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = available()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE.format(names=", ".join(names)))
+        print(__doc__)
+        return
+    name, overrides = argv[0], argv[1:]
+    if name not in names:
+        print(f"attnzoo-sweep: error: unknown sweep {name!r}; allowed: {', '.join(names)}", file=sys.stderr)
+        sys.exit(2)
+    from hydra.core.global_hydra import GlobalHydra
+
+    from attnzoo.training import run as train
+
+    GlobalHydra.instance().clear()  # a previous in-process compose/run would block hydra.main
+    # the parallel launcher's worker processes read this when they import torch: half the cores each
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // PARALLEL_JOBS)))
+    previous = {}
+    if _launcher(overrides) != "basic" and threading.current_thread() is threading.main_thread():
+        # jobs in worker processes: they end with the sweep (basic: in this process, preemption as in train)
+        previous = {sig: signal.signal(sig, _stop_everything) for sig in (signal.SIGTERM, signal.SIGINT)}
+    saved = sys.argv
+    sys.argv = [f"attnzoo-sweep-{name}", *hydra_argv(name, overrides)]
+    try:
+        train.main()
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Distribution: context parallelism and the process trees of launched workers."""

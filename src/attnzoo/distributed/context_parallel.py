@@ -1,0 +1,531 @@
+"""Context (sequence) parallelism: one sequence split over the N ranks of a process group.
+
+`trainer.context_parallel=N` splits every training / validation sequence of length L into N shards; the
+world is DP x CP (ranks r*N .. r*N+N-1 form one context-parallel group and see the same batch; the data
+sampler shards over the DP groups only). Every layer sees only its rank's tokens, with their global
+positions (RoPE, ALiBi and absolute embeddings use them), and the mixers exchange what crosses a shard
+boundary through `torch.distributed` (gloo on CPU, NCCL on GPU):
+
+- softmax attention (mha / gqa / mqa, sliding window with or without sinks, ALiBi, MLA): ring attention
+  (Liu et al. 2023): each rank keeps its queries, K/V blocks travel round the ring, partial results merge
+  by their log-sum-exp (the online softmax); backward sends the K/V blocks round again with their
+  gradient accumulators and returns the accumulators home. Blocks that no local query can see are not
+  computed, and the ring stops after the last hop any rank needs (a sliding window with the contiguous
+  layout needs one hop when W <= L/N).
+- linear attention, DeltaNet, Gated DeltaNet: state passing (LASP, Sun et al. 2024). The state after a
+  shard is affine in the state before it, S_out = M S_in + B. One chunked pass per shard with values
+  [v | 0] from state [0 | I] yields [B | M]; the (M, B) of every shard are all-gathered, each rank folds
+  those before its shards into its initial state, then runs its chunks from that state. The all-gather's
+  backward sums the gradients, so the backward pass needs nothing more.
+- the short convolutions take their K-1 inputs before a shard from the shard before it.
+
+Layouts: `contiguous` (rank r holds tokens [r L/N, (r+1) L/N)) or `zigzag` (L split into 2N segments;
+rank r holds segments r and 2N-1-r, so with causal attention every rank does the same work). Mixers find
+the active context with `active()` inside `sharded(cp)`; outside it (generation, single-process runs)
+nothing changes.
+
+`ContextParallel.comm_seconds` accumulates the exposed communication time (time spent issuing and
+waiting, not the part overlapped with computation), for the benchmark's communication share.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from attnzoo.config.errors import ConfigError
+
+LAYOUTS = ("auto", "zigzag", "contiguous")
+
+
+# ----------------------------------------------------------------------------- how a sequence is split
+@dataclass(frozen=True)
+class Layout:
+    seq_len: int
+    size: int
+    zigzag: bool
+
+    @property
+    def n_segments(self) -> int:
+        return 2 * self.size if self.zigzag else self.size
+
+    @property
+    def seg_len(self) -> int:
+        return self.seq_len // self.n_segments
+
+    def segments(self, rank: int) -> tuple[int, ...]:
+        """Global segment indices rank `rank` holds, in its local order."""
+        return (rank, 2 * self.size - 1 - rank) if self.zigzag else (rank,)
+
+    def owner(self, segment: int) -> tuple[int, int]:
+        """(rank, local index) of a global segment."""
+        for r in range(self.size):
+            if segment in self.segments(r):
+                return r, self.segments(r).index(segment)
+        raise IndexError(segment)
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        S = self.seg_len
+        return [(s * S, (s + 1) * S) for s in self.segments(rank)]
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.ranges(rank)])
+
+    def shard(self, t: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """Rank `rank`'s tokens of a full-sequence tensor (time at `dim`)."""
+        return torch.cat([t.narrow(dim, a, b - a) for a, b in self.ranges(rank)], dim=dim)
+
+    def unshard(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """The full sequence back from every rank's shard (tests, gathering outputs)."""
+        S, pieces = self.seg_len, [None] * self.n_segments
+        for r, part in enumerate(parts):
+            for i, s in enumerate(self.segments(r)):
+                pieces[s] = part.narrow(dim, i * S, S)
+        return torch.cat(pieces, dim=dim)
+
+
+FULL_ATTENTION = ("mha", "gqa", "mqa", "mla")  # causal softmax over the whole past: unequal work per contiguous shard
+
+
+def resolve_layout(layout: str, mixer_names: list[str]) -> str:
+    """`auto` -> zigzag when some layer is full causal attention (equal work per rank), else contiguous
+    (windows and recurrences are balanced already, and a window then needs a single ring hop)."""
+    if layout != "auto":
+        return layout
+    return "zigzag" if any(n in FULL_ATTENTION for n in mixer_names) else "contiguous"
+
+
+def check_layout(seq_len: int, size: int, layout: str, min_segment: int = 1) -> Layout:
+    """The split of `seq_len` tokens over `size` ranks, or one line naming the field and what is allowed."""
+    if layout not in ("zigzag", "contiguous"):
+        raise ConfigError(f"got {layout!r}; allowed: {', '.join(LAYOUTS)}", field="trainer.context_parallel_layout")
+    lay = Layout(seq_len, size, layout == "zigzag")
+    n = lay.n_segments
+    if seq_len % n:
+        raise ConfigError(f"{seq_len} does not split into {n} equal segments (context_parallel={size}, "
+                          f"{layout} layout); allowed: a multiple of {n}", field="data.seq_len")
+    if lay.seg_len < min_segment:
+        raise ConfigError(f"segments of {lay.seg_len} tokens (seq_len {seq_len} / {n}) are shorter than the short "
+                          f"convolution's {min_segment} tail tokens; allowed: seq_len >= {n * min_segment}",
+                          field="data.seq_len")
+    return lay
+
+
+# ----------------------------------------------------------------------------- the process groups
+_TOPOLOGY: dict = {}  # set by init_groups: the data-parallel rank / world the sampler shards over
+_ACTIVE: Optional["ContextParallel"] = None
+
+
+def init_groups(cp_size: int):
+    """Split the default process group into DP x CP: groups of `cp_size` consecutive ranks. Every rank
+    calls this (new_group is collective). Returns this rank's context-parallel group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % cp_size:
+        raise ConfigError(f"{world} processes do not split into groups of {cp_size}; allowed: a divisor of the "
+                          f"world size (devices x num_nodes = {world})", field="trainer.context_parallel")
+    mine = None
+    for g in range(world // cp_size):
+        ranks = list(range(g * cp_size, (g + 1) * cp_size))
+        group = dist.new_group(ranks)  # its own group even when it is the world: never interleaves with DDP's
+        if rank in ranks:
+            mine = group
+    _TOPOLOGY.update(cp=cp_size, dp_rank=rank // cp_size, dp_world=world // cp_size)
+    return mine
+
+
+def data_rank_world() -> Optional[tuple[int, int]]:
+    """(DP rank, DP world) when context parallelism split the world, else None (shard over every rank)."""
+    return (_TOPOLOGY["dp_rank"], _TOPOLOGY["dp_world"]) if _TOPOLOGY else None
+
+
+def active() -> Optional["ContextParallel"]:
+    """The context-parallel split the current forward runs under, or None."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def sharded(cp: Optional["ContextParallel"]) -> Iterator[None]:
+    global _ACTIVE
+    prev, _ACTIVE = _ACTIVE, cp
+    try:
+        yield
+    finally:
+        _ACTIVE = prev
+
+
+class _Pending:
+    def __init__(self, reqs, bufs, cp: "ContextParallel"):
+        self.reqs, self.bufs, self.cp = reqs, bufs, cp
+
+    def wait(self) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        for r in self.reqs:
+            r.wait()
+        self.cp.comm_seconds += time.perf_counter() - t0
+        return self.bufs
+
+
+class ContextParallel:
+    """This rank's place in a context-parallel group and the exchanges the mixers use."""
+
+    def __init__(self, group, layout: Layout):
+        self.group, self.layout = group, layout
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        if self.size != layout.size:
+            raise ValueError(f"layout for {layout.size} ranks, group of {self.size}")
+        self.ranks = dist.get_process_group_ranks(group)
+        self.comm_seconds = 0.0
+        self._hops: dict = {}
+        # "fast": each block through ATen's fused CPU flash-attention kernel (fwd and bwd, with its log-sum-exp);
+        # "reference": the same blocks written out in einsums (also the path on other devices)
+        self.impl = "fast"
+
+    # -------------------------------------------------------------- transport (torch.distributed only)
+    def exchange(self, tensors: list[torch.Tensor], offset: int) -> _Pending:
+        """Start sending each tensor to rank + offset and receiving same-shaped ones from rank - offset."""
+        t0 = time.perf_counter()
+        dst = self.ranks[(self.rank + offset) % self.size]
+        src = self.ranks[(self.rank - offset) % self.size]
+        sends = [t.contiguous() for t in tensors]
+        bufs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, dst, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, b, src, self.group) for b in bufs]
+        reqs = dist.batch_isend_irecv(ops)
+        self.comm_seconds += time.perf_counter() - t0
+        return _Pending(reqs, bufs, self)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(size, *x.shape), differentiable: the backward sums every rank's gradient for this rank's slot."""
+        return _AllGather.apply(x, self)
+
+    # -------------------------------------------------------------- segments on this rank
+    @property
+    def n_local(self) -> int:
+        return len(self.layout.segments(self.rank))
+
+    def to_segments(self, t: Optional[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
+        """(B, ..., n_local * S, ...) -> (n_local * B, ..., S, ...): each local segment its own batch row."""
+        if t is None:
+            return None
+        n = self.n_local
+        t = t.unflatten(dim, (n, t.shape[dim] // n)).movedim(dim, 0)
+        return t.flatten(0, 1)
+
+    def from_segments(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        n = self.n_local
+        t = t.unflatten(0, (n, t.shape[0] // n)).movedim(0, dim)
+        return t.flatten(dim, dim + 1)
+
+    # -------------------------------------------------------------- the three mixer paths
+    def conv(self, conv, x: torch.Tensor) -> torch.Tensor:
+        """A `ShortConvolution` over this rank's tokens x (B, T, C), each segment continuing from the last
+        K-1 inputs of the segment before it (zeros before the first)."""
+        K1 = conv.kernel_size - 1
+        xs = self.to_segments(x, 1)  # (n*B, S, C)
+        if K1 == 0:
+            return self.from_segments(conv(xs)[0], 1)
+        tails = self.all_gather(xs[:, -K1:].transpose(1, 2))  # (size, n*B, C, K-1)
+        n, B = self.n_local, x.shape[0]
+        prev = []
+        for seg in self.layout.segments(self.rank):
+            if seg == 0:
+                prev.append(torch.zeros_like(tails[0, :B]))
+            else:
+                r, i = self.layout.owner(seg - 1)
+                prev.append(tails[r, i * B:(i + 1) * B])
+        y, _ = conv(xs, _uses(torch.cat(prev, dim=0), tails))
+        return self.from_segments(y, 1)
+
+    def scan(self, run: Callable, v: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
+        """A linear recurrence S_t = M_t S_{t-1} + (write of token t) with state (Dk, Dv) per head, over
+        this rank's tokens. `run(v, initial_state, *inputs)` runs it on (B, H, T, .) tensors (time at dim 2)
+        and returns (o, final state (B, H, Dk, Dv)); v (B, H, T, Dv); inputs: q, k, ... at dim 2 (or None).
+        Returns o (B, H, T, Dv) as if the whole sequence had run on one rank from a zero state."""
+        vs = self.to_segments(v, 2)
+        segs = [self.to_segments(t, 2) for t in inputs]
+        nB, H, _, Dv = vs.shape
+        Dk = next(t for t in segs if t is not None and t.dim() == 4).shape[-1]  # the key size: q's
+        eye = torch.eye(Dk, dtype=vs.dtype, device=vs.device).expand(nB, H, Dk, Dk)
+        s0 = torch.cat([vs.new_zeros(nB, H, Dk, Dv), eye], dim=-1)
+        _, fin = run(torch.cat([vs, vs.new_zeros(*vs.shape[:-1], Dk)], dim=-1), s0, *segs)
+        summaries = self.all_gather(fin)  # (size, n*B, H, Dk, Dv + Dk): [B | M] per local segment
+        B = v.shape[0]
+        starts, S = {}, vs.new_zeros(B, H, Dk, Dv)
+        for seg in range(max(self.layout.segments(self.rank)) + 1):
+            starts[seg] = S
+            r, i = self.layout.owner(seg)
+            summ = summaries[r, i * B:(i + 1) * B]
+            S = summ[..., Dv:] @ S + summ[..., :Dv]
+        init = _uses(torch.cat([starts[seg] for seg in self.layout.segments(self.rank)], dim=0), summaries)
+        o, _ = run(vs, init, *segs)
+        return self.from_segments(o, 2)
+
+    def attention(self, q, k, v, *, causal: bool, scale: Optional[float] = None, window: Optional[int] = None,
+                  sinks: int = 0, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Ring attention: q (B, H, T, D) of this rank's tokens, k/v (B, Hkv, T, D/Dv) -> (B, H, T, Dv)."""
+        spec = MaskSpec(causal, window, sinks, q.shape[-1] ** -0.5 if scale is None else scale)
+        return _RingAttention.apply(q, k, v, alibi, self, spec)
+
+    def n_hops(self, spec: "MaskSpec") -> int:
+        """Ring steps so that every rank has seen every K/V block any of its queries can see."""
+        if spec not in self._hops:
+            lay, far = self.layout, 0
+            for r in range(self.size):
+                for s in range(self.size):
+                    if any(spec.visibility(qr, kr) != "none" for qr in lay.ranges(r) for kr in lay.ranges(s)):
+                        far = max(far, (r - s) % self.size)
+            self._hops[spec] = far + 1
+        return self._hops[spec]
+
+
+def _uses(x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """x, made to depend on an all-gathered tensor. The gather's backward is a collective: every rank must run
+    it, also a rank whose result does not need the gather (rank 0 of the contiguous layout), or the others
+    wait for it forever."""
+    return x + 0.0 * gathered.sum()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        t0 = time.perf_counter()
+        out = [torch.empty_like(x) for _ in range(cp.size)]
+        dist.all_gather(out, x.contiguous(), group=cp.group)
+        cp.comm_seconds += time.perf_counter() - t0
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        cp = ctx.cp
+        t0 = time.perf_counter()
+        g = g.contiguous()
+        dist.all_reduce(g, group=cp.group)
+        cp.comm_seconds += time.perf_counter() - t0
+        return g[cp.rank], None
+
+
+# ----------------------------------------------------------------------------- ring attention
+@dataclass(frozen=True)
+class MaskSpec:
+    causal: bool
+    window: Optional[int]
+    sinks: int
+    scale: float
+
+    def visibility(self, q: tuple[int, int], k: tuple[int, int]) -> str:
+        """Which keys of positions [k0, k1) the queries [q0, q1) see: "none", "all" or "partial"."""
+        (a, b), (c, d) = q, k
+        if not self.causal:
+            return "all"
+        causal_any = c <= b - 1
+        if self.window is None:
+            if not causal_any:
+                return "none"
+            return "all" if d - 1 <= a else "partial"
+        in_window = causal_any and d - 1 > a - self.window
+        sink = self.sinks > 0 and c < self.sinks and causal_any
+        if not (in_window or sink):
+            return "none"
+        return "all" if d - 1 <= a and c > b - 1 - self.window else "partial"
+
+    def mask(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        qi, kj = qpos[:, None], kpos[None, :]
+        m = kj <= qi if self.causal else torch.ones(len(qpos), len(kpos), dtype=torch.bool, device=qpos.device)
+        if self.window is not None:
+            m = m & ((kj > qi - self.window) | (kj < self.sinks))
+        return m
+
+
+_Q_CHUNK = 1024  # query rows per masked block: bounds the (rows x keys) scores / mask held at once
+
+
+def _bias(spec: MaskSpec, qpos, kpos, vis: str, slopes, H: int, dtype):
+    """Additive scores for one block: ALiBi's -slope_h |i - j| (H, Tq, Tk) and -inf where a "partial" block's
+    mask hides a key; None when neither applies."""
+    bias = None
+    if slopes is not None:
+        bias = -slopes.to(dtype)[:, None, None] * (qpos[:, None] - kpos[None, :]).abs().to(dtype)
+    if vis == "partial":
+        hide = torch.zeros(len(qpos), len(kpos), dtype=dtype, device=qpos.device).masked_fill(
+            ~spec.mask(qpos, kpos), float("-inf"))
+        bias = hide if bias is None else bias + hide
+    return bias
+
+
+def _block_forward_reference(spec, q, k, v, qpos, kpos, vis, slopes):
+    """softmax over one block, written out: q (B, H, Tq, D), k/v (B, Hkv, Tk, .) -> (o, lse (B, H, Tq))."""
+    B, H, Tq, _ = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, Tq, -1)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * spec.scale
+    bias = _bias(spec, qpos, kpos, vis, slopes, H, s.dtype)
+    if bias is not None:
+        s = s + (bias.reshape(Hkv, H // Hkv, Tq, -1) if bias.dim() == 3 else bias)
+    lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+    o = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return o.reshape(B, H, Tq, -1), lse.reshape(B, H, Tq)
+
+
+def _block_backward_reference(spec, do, q, k, v, out, lse, qpos, kpos, vis, slopes):
+    """Gradients of one block given the merged output and log-sum-exp of its query rows (flash-attention's
+    backward: P = exp(S - lse), dS = P (dP - rowsum(dO O)))."""
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qg, dog = q.reshape(B, Hkv, G, Tq, D), do.reshape(B, Hkv, G, Tq, -1)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * spec.scale
+    bias = _bias(spec, qpos, kpos, vis, slopes, H, s.dtype)
+    if bias is not None:
+        s = s + (bias.reshape(Hkv, G, Tq, -1) if bias.dim() == 3 else bias)
+    p = torch.exp(s - lse.reshape(B, Hkv, G, Tq)[..., None])
+    delta = (dog * out.reshape(B, Hkv, G, Tq, -1)).sum(-1, keepdim=True)
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)
+    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dog, v) - delta) * spec.scale
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k).reshape(B, H, Tq, D)
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qg)
+    return dq, dk, dv
+
+
+def _flash_inputs(q, k, v):
+    """K/V heads expanded to the query heads, v zero-padded to q's head size (the fused kernel's shapes)."""
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    pad = q.shape[-1] - v.shape[-1]
+    return k, (torch.nn.functional.pad(v, (0, pad)) if pad > 0 else v), pad
+
+
+def _rows(spec, vis, qpos, kpos, slopes) -> tuple[bool, bool, list[slice]]:
+    """(is_causal, needs a mask, row slices): a fully visible block and the causal diagonal block need no mask
+    (one kernel call); masked blocks go in chunks of _Q_CHUNK rows."""
+    Tq = len(qpos)
+    plain_diagonal = vis == "partial" and spec.window is None and torch.equal(qpos, kpos)
+    if slopes is None and (vis == "all" or plain_diagonal):
+        return plain_diagonal, False, [slice(0, Tq)]
+    return False, True, [slice(c, min(Tq, c + _Q_CHUNK)) for c in range(0, Tq, _Q_CHUNK)]
+
+
+def _block_forward_flash(spec, q, k, v, qpos, kpos, vis, slopes):
+    """The same block through ATen's fused CPU flash-attention kernel, which also returns the log-sum-exp."""
+    ke, ve, pad = _flash_inputs(q, k, v)
+    causal, masked, rows = _rows(spec, vis, qpos, kpos, slopes)
+    os_, ls = [], []
+    for sl in rows:
+        bias = _bias(spec, qpos[sl], kpos, vis, slopes, q.shape[1], q.dtype) if masked else None
+        bias = bias[None] if bias is not None and bias.dim() == 3 else bias  # the kernel takes 2 or 4 dims
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, sl], ke, ve, 0.0, causal, attn_mask=bias, scale=spec.scale)
+        if bias is not None:  # a row with no visible key: the kernel reports lse 0, the merge needs -inf
+            lse = lse.masked_fill(~torch.isfinite(bias).any(-1), float("-inf"))
+        os_.append(o[..., : v.shape[-1]] if pad else o)
+        ls.append(lse)
+    return torch.cat(os_, dim=2), torch.cat(ls, dim=2)
+
+
+def _block_backward_flash(spec, do, q, k, v, out, lse, qpos, kpos, vis, slopes):
+    ke, ve, pad = _flash_inputs(q, k, v)
+    if pad:
+        do, out = torch.nn.functional.pad(do, (0, pad)), torch.nn.functional.pad(out, (0, pad))
+    causal, masked, rows = _rows(spec, vis, qpos, kpos, slopes)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
+    for sl in rows:
+        bias = _bias(spec, qpos[sl], kpos, vis, slopes, q.shape[1], q.dtype) if masked else None
+        bias = bias[None] if bias is not None and bias.dim() == 3 else bias
+        a, b, c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do[:, :, sl].contiguous(), q[:, :, sl], ke, ve, out[:, :, sl].contiguous(), lse[:, :, sl].contiguous(),
+            0.0, causal, attn_mask=bias, scale=spec.scale)
+        dq[:, :, sl], dk, dv = a, dk + b, dv + c
+    if pad:
+        dv = dv[..., : v.shape[-1]]
+    G = q.shape[1] // k.shape[1]
+    if G > 1:  # the expanded heads' gradients back onto their shared K/V head
+        dk = dk.unflatten(1, (k.shape[1], G)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], G)).sum(2)
+    return dq, dk, dv
+
+
+def _merge(o_acc, lse_acc, o, lse):
+    """Two partial softmax results over disjoint keys -> the result over both (rows with no key yet: -inf)."""
+    if o_acc is None:
+        return o, lse
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    wa = torch.where(finite, torch.exp(lse_acc - new), torch.zeros_like(new))
+    wb = torch.where(finite, torch.exp(lse - new), torch.zeros_like(new))
+    return o_acc * wa[..., None] + o * wb[..., None], new
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal (or bidirectional) softmax attention of this rank's queries over every rank's K/V."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, cp: ContextParallel, spec: MaskSpec):
+        flash = cp.impl == "fast" and q.device.type == "cpu"
+        acc = torch.promote_types(q.dtype, torch.float32)  # the merge's accumulators
+        ct = q.dtype if flash else acc
+        fwd = _block_forward_flash if flash else _block_forward_reference
+        lay, S = cp.layout, cp.layout.seg_len
+        qc, k_cur, v_cur = q.to(ct).contiguous(), k.to(ct).contiguous(), v.to(ct).contiguous()
+        qranges = lay.ranges(cp.rank)
+        n_steps = cp.n_hops(spec)
+        o, lse = [None] * len(qranges), [None] * len(qranges)
+        for step in range(n_steps):
+            pending = cp.exchange([k_cur, v_cur], 1) if step < n_steps - 1 else None
+            src = (cp.rank - step) % cp.size
+            for ia, qr in enumerate(qranges):
+                qpos = torch.arange(*qr, device=q.device)
+                for ib, kr in enumerate(lay.ranges(src)):
+                    vis = spec.visibility(qr, kr)
+                    if vis == "none":
+                        continue
+                    ob, lb = fwd(spec, qc[:, :, ia * S:(ia + 1) * S], k_cur[:, :, ib * S:(ib + 1) * S],
+                                 v_cur[:, :, ib * S:(ib + 1) * S], qpos, torch.arange(*kr, device=q.device), vis, slopes)
+                    o[ia], lse[ia] = _merge(o[ia], lse[ia], ob.to(acc), lb.to(acc))
+            if pending is not None:
+                k_cur, v_cur = pending.wait()
+        out = torch.cat(o, dim=2).to(ct)  # (B, H, T, Dv)
+        lse_all = torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse_all, slopes)
+        ctx.cp, ctx.spec, ctx.n_steps, ctx.flash = cp, spec, n_steps, flash
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, slopes = ctx.saved_tensors
+        cp, spec, n_steps, flash = ctx.cp, ctx.spec, ctx.n_steps, ctx.flash
+        bwd = _block_backward_flash if flash else _block_backward_reference
+        ct = out.dtype
+        lay, S = cp.layout, cp.layout.seg_len
+        qc, do = q.to(ct).contiguous(), dout.to(ct).contiguous()
+        dq = torch.zeros_like(qc)
+        k_cur, v_cur = k.to(ct).contiguous(), v.to(ct).contiguous()
+        dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)
+        qranges = lay.ranges(cp.rank)
+        for step in range(n_steps):
+            pending = cp.exchange([k_cur, v_cur], 1) if step < n_steps - 1 else None
+            src = (cp.rank - step) % cp.size
+            for ia, qr in enumerate(qranges):
+                qs = slice(ia * S, (ia + 1) * S)
+                qpos = torch.arange(*qr, device=q.device)
+                for ib, kr in enumerate(lay.ranges(src)):
+                    vis = spec.visibility(qr, kr)
+                    if vis == "none":
+                        continue
+                    ks = slice(ib * S, (ib + 1) * S)
+                    a, b, c = bwd(spec, do[:, :, qs], qc[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], out[:, :, qs],
+                                  lse[:, :, qs], qpos, torch.arange(*kr, device=q.device), vis, slopes)
+                    dq[:, :, qs] += a
+                    dk_cur[:, :, ks] += b
+                    dv_cur[:, :, ks] += c
+            if pending is not None:  # the accumulators travel with their blocks
+                dk_cur, dv_cur = cp.exchange([dk_cur, dv_cur], 1).wait()
+                k_cur, v_cur = pending.wait()
+        if n_steps > 1:  # the accumulators here belong to rank - (n_steps - 1): send them home
+            dk_cur, dv_cur = cp.exchange([dk_cur, dv_cur], -(n_steps - 1)).wait()
+        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None

@@ -1,0 +1,1 @@
+"""Using a trained run: load, generate, evaluate, lm-eval."""

@@ -1,0 +1,423 @@
+"""Use what you trained: `attnzoo.load`, `attnzoo-generate` and `attnzoo-eval`.
+
+    import attnzoo
+    run = attnzoo.load("outputs/train/2026-12-01_10-00-00")     # a run dir (its last.ckpt) or a .ckpt
+    run.model, run.config, run.encode("def f("), run.decode([...])
+
+    attnzoo-generate RUN_DIR "def fib(n):" --max-new-tokens 64 --temperature 0.8 --top-k 40
+    attnzoo-generate RUN_DIR --prompts prompts.txt               # one prompt per line, one completion each
+    attnzoo-eval RUN_DIR                                         # val loss / ppl (/ acc) on the run's data
+    attnzoo-eval RUN_DIR --text other.txt --context-lengths 512 1024 --out eval.json
+    attnzoo-eval RUN_DIR --kv-cache-dtype int4                   # + val/loss_kvq(_delta) through a KIVI int4 cache
+    attnzoo-generate RUN_DIR "def " --kv-cache-dtype int8        # sample from an int8 KV cache
+
+`--kv-cache-dtype fp32|bf16|int8|int4`, `--kv-group-size G`, `--kv-residual R` default to the run's own
+`inference.*` settings (attnzoo.mixers.kv_quant).
+
+Checkpoints are read with `torch.load(weights_only=True)`; a missing, corrupt or mismatched checkpoint
+(weights that do not fit the config it carries) is refused in one line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from attnzoo.config.errors import ConfigError
+
+
+@dataclass
+class LoadedRun:
+    model: torch.nn.Module  # eval mode, on `device`
+    lit: Any  # the LightningModule (loss / accuracy as in training)
+    config: dict  # the run's resolved config (as saved in the checkpoint)
+    datamodule: Any  # the run's data module, set up (its tokenizer for text)
+    checkpoint: Path
+    global_step: int
+
+    @property
+    def encode(self) -> Callable[[str], list]:
+        if hasattr(self.datamodule, "encode"):
+            return self.datamodule.encode
+        return lambda s: [int(t) for t in s.split()]  # synthetic tasks: prompts are token ids
+
+    @property
+    def decode(self) -> Callable[[list], str]:
+        if hasattr(self.datamodule, "decode"):
+            return self.datamodule.decode
+        return lambda ids: " ".join(map(str, ids))
+
+
+def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
+        if not ck.is_file():
+            raise ConfigError(f"{p} has no checkpoints/{ck.name}; allowed: a run dir with one, or a .ckpt file",
+                              field="checkpoint")
+        return ck
+    if not p.exists():
+        raise ConfigError(f"{p} does not exist; allowed: a run dir or a .ckpt file", field="checkpoint")
+    return p
+
+
+def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir: Optional[str] = None) -> LoadedRun:
+    """The model of a run dir (its last.ckpt, or best.ckpt) or of a .ckpt, with its data module and config."""
+    from attnzoo.training.checkpoint_io import check_checkpoint
+    from attnzoo.config.schema import resolve_model, tagged
+    from attnzoo.data import DATAMODULES, build_datamodule
+    from attnzoo.training.families import family_of
+
+    ckpt_path = resolve_checkpoint(path, best)
+    state = check_checkpoint(ckpt_path, field="checkpoint")
+    hp = state.get("hyper_parameters") or {}
+    cfg = hp.get("cfg")
+    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
+        raise ConfigError(f"{ckpt_path} carries no attnzoo run config (hyper_parameters.cfg)", field="checkpoint")
+    data_cfg = tagged(DATAMODULES, cfg["data"], "data", default_name="text")
+    cache = cache_dir or (cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo"
+    dm = build_datamodule(data_cfg, cache_dir=cache, seed=cfg.get("seed", 0))
+    dm.setup("validate")
+    family = family_of(cfg["model"])
+    lit = family.build_lit(cfg, resolve_model(cfg["model"], vocab_size=dm.vocab_size), dm)
+    try:
+        lit.load_state_dict(state["state_dict"], strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"{ckpt_path}: the weights do not fit the config it carries ({first[1].strip()[:160] if len(first) > 1 else first[0][:160]})",
+                          field="checkpoint") from None
+    lit.to(device).eval()
+    return LoadedRun(lit.model, lit, cfg, dm, ckpt_path, int(state["global_step"]))
+
+
+# ----------------------------------------------------------------------------- KV-cache format
+
+
+def kv_format_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kv-cache-dtype", help="KV-cache format: fp32, bf16, int8, int4 (KIVI) (default: the run's "
+                    "inference.kv_cache_dtype)")
+    ap.add_argument("--kv-group-size", type=int, help="G: tokens per key scale, channels per value scale "
+                    "(default: the run's inference.kv_group_size)")
+    ap.add_argument("--kv-residual", type=int, help="R: recent tokens kept in full precision (default: the run's "
+                    "inference.kv_residual)")
+
+
+KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
+
+
+def kv_format_of(run: LoadedRun, args: argparse.Namespace):
+    """The KV-cache format from the command line, else the run's `inference` section, else the defaults;
+    checked (one-line ConfigError naming the flag). Not fp32: decoder LMs with an mha / gqa / mqa layer."""
+    from attnzoo.config.schema import InferenceConfig
+    from attnzoo.training.families import family_of
+    from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
+
+    own = InferenceConfig(**(run.config.get("inference") or {}))  # a run from before the section: the defaults
+    fmt = KVFormat(args.kv_cache_dtype or own.kv_cache_dtype,
+                   own.kv_group_size if args.kv_group_size is None else args.kv_group_size,
+                   own.kv_residual if args.kv_residual is None else args.kv_residual)
+    decoder = family_of(run.config["model"]).decoder_only
+    fmt.check(head_dims=[m.head_dim for m in run.model.mixers if quantizes(m)] if decoder else [], fields=KV_FLAGS)
+    if fmt.dtype != "fp32" and not decoder:
+        raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with this "
+                          f"{family_of(run.config['model']).name} model: fp32", field="--kv-cache-dtype")
+    if decoder:  # a layer it applies to (the length is checked where it is known: attnzoo-eval)
+        coverage(fmt, [m.name for m in run.model.layer_mixers], None, fields=KV_FLAGS)
+    return fmt
+
+
+# ----------------------------------------------------------------------------- command-line checks (before any work)
+
+
+def check_device(device: str, field: str = "--device") -> None:
+    """A device torch knows and this machine has: one line, before the checkpoint is read."""
+    allowed = "cpu" + (", cuda, cuda:N" if torch.cuda.is_available() else "") + (
+        ", mps" if torch.backends.mps.is_available() else "")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; allowed: {allowed}", field=field) from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda" and torch.cuda.is_available():
+        if dev.index is None or dev.index < torch.cuda.device_count():
+            return
+        raise ConfigError(f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s); allowed: {allowed}",
+                          field=field)
+    if dev.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ConfigError(f"{device}: no such device on this machine; allowed: {allowed}", field=field)
+
+
+def check_out_file(out: Optional[Path], field: str = "--out") -> None:
+    """An output file path that can be written: not a directory, not under a file or a read-only directory."""
+    from attnzoo.config.paths import unwritable
+
+    if out is None:
+        return
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; allowed: a file path", field=field)
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"{out} cannot be written ({why}); allowed: a path under a writable directory", field=field)
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"must be >= 0 (0: greedy), got {temperature}", field="--temperature")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"must be >= 0 (0: no top-k cut), got {top_k}", field="--top-k")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
+
+
+def position_limit(model) -> Optional[int]:
+    """The most positions `model` can embed (its learned table), or None where positions are computed."""
+    cfg = getattr(model, "cfg", None)
+    return cfg.max_seq_len if getattr(getattr(cfg, "position", None), "name", None) == "learned" else None
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+@torch.no_grad()
+def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
+           top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None) -> str:
+    """Sample a completion token by token from the cache (keys/values in `kv_format`, attnzoo.mixers.kv_quant),
+    writing each decoded piece as it comes: whole characters only (`complete_text`), so a byte-level BPE
+    token that ends inside a UTF-8 character is held back until the token that completes it. Returns the
+    text written."""
+    from attnzoo.models.decoder import sample_next
+
+    model = run.model
+    ids = run.encode(prompt)
+    if not ids:
+        raise ConfigError("the prompt encodes to no tokens", field="prompt")
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    cache = model.new_cache(1, len(ids) + max_new_tokens, model.embed.weight.dtype, kv_format=kv_format)
+    logits = model(x, cache=cache)[:, -1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out: list = []
+    shown = ""
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, g)
+        out.append(int(nxt))
+        text = complete_text(run.decode(out))
+        if len(text) > len(shown) and text.startswith(shown):
+            write(text[len(shown):])
+            shown = text
+        logits = model(nxt, cache=cache)[:, -1]
+    return shown
+
+
+def complete_text(decoded: str) -> str:
+    """`decoded` without a trailing run of U+FFFD: the bytes of a UTF-8 character whose last byte has not been
+    generated yet decode (errors=replace, as HF's byte-level decoder does) to U+FFFD; once the token that
+    completes it comes, the whole ids decode to the character. A U+FFFD that stays (bytes that never form a
+    character) is written as soon as any character follows it; one the generation ends on is dropped."""
+    return decoded.rstrip("\ufffd")
+
+
+def generate_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-generate", description="Sample from a trained run (decoder LMs).")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
+    ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="prompt + new tokens: at most model.max_seq_len "
+                    "with learned positions")
+    ap.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40, help=">= 0; 0 = no top-k cut")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    kv_format_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        if (args.prompt is None) == (args.prompts is None):
+            raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
+        if args.prompts is not None and not args.prompts.is_file():
+            raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        check_device(args.device)
+        prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+        if not prompts:
+            raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
+                              field="--prompts")
+        run = load(args.run, best=args.best, device=args.device)
+        from attnzoo.training.families import family_of
+
+        if not family_of(run.config["model"]).decoder_only:
+            raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
+                              field="checkpoint")
+        fmt = kv_format_of(run, args)
+        _check_prompts(run, prompts, args.max_new_tokens)
+        for i, prompt in enumerate(prompts):
+            if len(prompts) > 1:
+                print(f"--- prompt {i + 1}: {prompt!r}", flush=True)
+            print(prompt, end="", flush=True)
+            stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed + i,
+                   lambda s: print(s, end="", flush=True), kv_format=fmt)
+            print(flush=True)
+    except ConfigError as e:
+        print(f"attnzoo-generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int) -> None:
+    """Every prompt encodes to tokens and, with learned positions, fits the table with its new tokens:
+    checked for all prompts before the first is sampled."""
+    limit = position_limit(run.model)
+    field = "prompt" if len(prompts) == 1 else "--prompts"
+    for i, prompt in enumerate(prompts):
+        n = len(run.encode(prompt))
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if n == 0:
+            raise ConfigError(f"{which} encodes to no tokens", field=field)
+        if limit is not None and n >= limit:
+            raise ConfigError(f"{which} ({n} tokens) fills the learned position table (model.max_seq_len={limit}); "
+                              f"allowed: a prompt of < {limit} tokens", field=field)
+        if limit is not None and n + max_new_tokens > limit:
+            raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed the learned position "
+                              f"table (model.max_seq_len={limit}); allowed: <= {limit - n}", field="--max-new-tokens")
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def evaluate(run: LoadedRun, loader, max_batches: Optional[int] = None) -> dict:
+    """val/loss, val/ppl (/ val/acc) of a loaded decoder LM over a loader (attnzoo.analysis.extrapolation)."""
+    from attnzoo.analysis.extrapolation import evaluate_loader
+
+    return evaluate_loader(run.lit, loader, max_batches)
+
+
+def scored_batches(loader, max_batches: Optional[int], run_trainer: Optional[dict]) -> dict:
+    """How many batches attnzoo-eval scores of `loader` and, for the run's own validation split
+    (`run_trainer`: its trainer section), how many its validation scored (trainer.limit_val_batches, with
+    Lightning's meaning: an int counts batches, a float is a fraction), in one line for the output."""
+    try:
+        total = len(loader)
+    except TypeError:  # an iterable dataset: no length to compare with
+        return {"batches": max_batches, "line": f"scored {max_batches or 'every'} batch(es)"}
+    n = min(total, max_batches) if max_batches else total
+    line = f"scored {n} of {total} batches"
+    out = {"batches": n, "of": total}
+    if run_trainer is not None:
+        limit = run_trainer.get("limit_val_batches", 1.0)
+        limit = 1.0 if limit is None else limit
+        own = min(total, limit) if isinstance(limit, int) and not isinstance(limit, bool) else int(total * float(limit))
+        out.update(run_limit_val_batches=limit, run_batches=own)
+        line += f" of the validation split; the run's own validation scored {own} (trainer.limit_val_batches={limit})"
+        if own != n:
+            line += f", so val/loss can differ from its summary's; --max-batches {own} matches it"
+    out["line"] = line
+    return out
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
+    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths (>= 2)")
+    ap.add_argument("--max-batches", type=int, default=None,
+                    help=">= 1 (default: every batch of the validation split or --text, which can be more than the "
+                         "run's own validation scored: trainer.limit_val_batches, e.g. 2 with debug=smoke; the output "
+                         "says how many batches and tokens it scored and what the run's limit was)")
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    kv_format_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        short = [L for L in args.context_lengths if L < 2]
+        if short:
+            raise ConfigError(f"got {' '.join(map(str, short))}; allowed: lengths >= 2 (a prediction needs a "
+                              f"token before it)", field="--context-lengths")
+        if args.max_batches is not None and args.max_batches < 1:
+            raise ConfigError(f"must be >= 1, got {args.max_batches}; allowed: omit it for every batch",
+                              field="--max-batches")
+        check_out_file(args.out)
+        check_device(args.device)
+        run = load(args.run, best=args.best, device=args.device)
+        from attnzoo.training.families import family_of
+
+        family = family_of(run.config["model"])
+        fmt = kv_format_of(run, args)
+        kv_quant = ""
+        if family.decoder_only:  # what the format stores at the run's length; refused where it stores nothing
+            from attnzoo.mixers.kv_quant import coverage
+
+            kv_quant = coverage(fmt, [m.name for m in run.model.layer_mixers], run.config["data"]["seq_len"],
+                                fields=KV_FLAGS, seq_field="the run's data.seq_len")
+        if args.text is not None:
+            if not hasattr(run.datamodule, "encode"):
+                raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
+                                  f"text run", field="--text")
+            from torch.utils.data import DataLoader
+
+            from attnzoo.data.corpus import load_corpus
+            from attnzoo.data.text import Blocks
+
+            text, _ = load_corpus(str(args.text), None)
+            ids = torch.tensor(run.encode(text), dtype=torch.int32)
+            seq = run.config["data"]["seq_len"]
+            blocks = Blocks(ids, seq)
+            if len(blocks) == 0:
+                raise ConfigError(f"{args.text} holds {len(ids)} tokens, fewer than one {seq}-token block", field="--text")
+            loader = DataLoader(blocks, batch_size=run.config["data"].get("batch_size", 8))
+            source = str(args.text)
+        else:
+            loader = run.datamodule.val_dataloader()
+            source = f"the run's validation split (data={run.config['data'].get('name')})"
+        if family.decoder_only:
+            metrics = evaluate(run, loader, args.max_batches)
+            # analytic cache bytes per token at the run's length, in the chosen format (kv_quant.KVFormat.kv_bytes)
+            seq = run.config["data"]["seq_len"]
+            dtype = next(run.model.parameters()).dtype
+            metrics["cache/bytes_per_token"] = run.model.cache_bytes(seq, 1, dtype, kv_format=fmt) / seq
+            if fmt.dtype != "fp32":  # val/loss_kvq(_delta): the same batches through a cache in that format
+                from attnzoo.analysis.extrapolation import evaluate_kv_format
+
+                metrics.update(evaluate_kv_format(run.lit, loader, fmt, args.max_batches))
+        else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
+            import lightning as L
+
+            res = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", logger=False,
+                            enable_progress_bar=False, limit_val_batches=args.max_batches or 1.0).validate(
+                run.lit, dataloaders=loader, verbose=False)
+            metrics = {k: float(v) for k, v in res[0].items()}
+        if args.context_lengths:
+            if not family.decoder_only:
+                raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
+            from attnzoo.analysis.extrapolation import evaluate_lengths
+            from attnzoo.config.schema import tagged
+            from attnzoo.data import DATAMODULES
+
+            data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
+            metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
+        scored = scored_batches(loader, args.max_batches, None if args.text else run.config.get("trainer") or {})
+        result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
+                  "kv_format": dataclasses.asdict(fmt), **({"kv_quant": kv_quant} if kv_quant else {}),
+                  "scored": scored, "metrics": metrics}
+        out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
+                           else run.checkpoint.with_suffix(".eval.json"))
+        out.write_text(json.dumps(result, indent=2))
+        print(scored["line"] + (f" (tokens {int(metrics['tokens']):,})" if "tokens" in metrics else ""))
+        if kv_quant:
+            print(f"kv-quant: {kv_quant}")
+        for k, v in metrics.items():
+            print(f"{k:28s} {v:.6g}")
+        print(f"wrote {out}")
+    except ConfigError as e:
+        print(f"attnzoo-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)

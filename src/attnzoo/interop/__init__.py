@@ -1,0 +1,1 @@
+"""Interoperability: transformers import/export."""

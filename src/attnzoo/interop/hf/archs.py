@@ -1,0 +1,253 @@
+"""The transformers architectures attnzoo maps to, and `arch_for(model)`: which one is exactly equivalent to an
+attnzoo DecoderLM (one-line ConfigError naming the field that has none). Import and export both go through it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.models.decoder import DecoderLM
+
+FIELD = "model.init_from"
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One transformers causal-LM class: how its checkpoint names the parts attnzoo maps."""
+
+    model_type: str
+    cls: str  # config.json `architectures`
+    moe_prefix: str = "mlp."  # the routed FFN's module name in a layer
+    expert_names: tuple = ("gate_proj", "up_proj", "down_proj")  # per-expert [gate, up, down] in the checkpoint
+    shared_prefix: Optional[str] = None  # the shared expert(s)
+    norm_offset: float = 0.0  # RMSNorm computes x * (offset + w): Qwen3-Next stores w - 1 (zero-centred)
+
+
+LLAMA = Arch("llama", "LlamaForCausalLM")
+QWEN2 = Arch("qwen2", "Qwen2ForCausalLM")
+MISTRAL = Arch("mistral", "MistralForCausalLM")
+MIXTRAL = Arch("mixtral", "MixtralForCausalLM", moe_prefix="block_sparse_moe.", expert_names=("w1", "w3", "w2"))
+DEEPSEEK_V3 = Arch("deepseek_v3", "DeepseekV3ForCausalLM", shared_prefix="shared_experts.")
+QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
+QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
+QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
+ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE)}
+
+# model types people will try that attnzoo cannot represent exactly, and the missing feature
+MISSING = {
+    "gemma": "embeddings scaled by sqrt(hidden_size), GELU MLP and (1 + w) RMSNorm, which attnzoo has no options for",
+    "gemma2": "logit soft-capping, sandwich norms and alternating local/global layers, which attnzoo has no "
+              "options for",
+    "gemma3": "q/k RMSNorm, sandwich norms and alternating local/global RoPE, which attnzoo has no options for",
+    "phi3": "a fused qkv with partial rotary and LongRoPE scaling, which attnzoo has no options for",
+    "gpt2": "Conv1D weights, a GELU MLP with biases and learned positions, a layout attnzoo does not map",
+}
+
+# attnzoo mixers with no transformers causal-LM equivalent, and why
+NO_EQUIVALENT = {
+    "linear_attention": "linear attention (no softmax) has no transformers causal-LM counterpart",
+    "deltanet": "ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
+                "gated_deltanet)",
+    "nsa": "native sparse attention has no transformers causal-LM counterpart",
+    "moba": "mixture-of-block attention has no transformers causal-LM counterpart",
+}
+
+
+# ----------------------------------------------------------------------------- the architecture of an attnzoo model
+
+
+def _no(field: str, why: str) -> ConfigError:
+    return ConfigError(f"{why}; no transformers architecture is exactly equivalent (export and import need one)",
+                       field=field)
+
+
+def _moe_of(model):
+    from attnzoo.layers.moe import MoE
+
+    return next((b.ffn for b in model.blocks if isinstance(b.ffn, MoE)), None)
+
+
+def _dense_of(model):
+    from attnzoo.layers.ffn import SwiGLU
+
+    return next((b.ffn for b in model.blocks if isinstance(b.ffn, SwiGLU)), None)
+
+
+def _check_moe(model, arch: Arch) -> None:
+    """The routed FFN matches `arch`'s router and experts exactly (else one-line refusal)."""
+    moe = _moe_of(model)
+    f = model.cfg.ffn
+    field = "model.ffn"
+    if f.expert_type != "swiglu":
+        raise _no(f"{field}.expert_type", f"{f.expert_type} experts (transformers' are SiLU-gated)")
+    if f.capacity_factor is not None:
+        raise _no(f"{field}.capacity_factor", f"{f.capacity_factor} drops tokens (transformers' MoE are dropless)")
+    want = "sigmoid" if arch is DEEPSEEK_V3 else "softmax"
+    if f.scoring != want:
+        raise _no(f"{field}.scoring", f"{f.scoring} routing ({arch.cls} routes by {want})")
+    if arch is not DEEPSEEK_V3:
+        if f.routed_scaling_factor != 1.0:
+            raise _no(f"{field}.routed_scaling_factor", f"{f.routed_scaling_factor} ({arch.cls} has none)")
+        if (f.n_group or 1) != 1 or (f.topk_group or 1) != 1:
+            raise _no(f"{field}.n_group", f"group-limited routing ({arch.cls} has none)")
+        if any(bool((b.ffn.expert_bias != 0).any()) for b in model.blocks if hasattr(b.ffn, "expert_bias")):
+            raise _no(f"{field}.bias_update_speed", f"a non-zero expert selection bias ({arch.cls} has none)")
+    if arch is MIXTRAL:
+        if moe.shared is not None:
+            raise _no(f"{field}.n_shared_experts", "shared experts (Mixtral has none)")
+        if not f.norm_topk_prob:
+            raise _no(f"{field}.norm_topk_prob", "false (Mixtral renormalises the top-k weights)")
+        if f.first_k_dense:
+            raise _no(f"{field}.first_k_dense", f"{f.first_k_dense} dense layers (Mixtral has none)")
+    if arch is DEEPSEEK_V3:
+        if moe.shared_gate is not None:
+            raise _no(f"{field}.shared_expert_gate", "true (DeepSeek-V3's shared experts are ungated)")
+        if moe.shared is not None and moe.shared.hidden != f.n_shared_experts * moe.hidden:
+            raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} (DeepSeek-V3's is n_shared_experts * d_ff = "
+                      f"{f.n_shared_experts * moe.hidden})")
+    if arch is QWEN3_MOE and moe.shared is not None:
+        raise _no(f"{field}.n_shared_experts", "shared experts (Qwen3-MoE has none)")
+    if arch is QWEN3_NEXT and (moe.shared is None or moe.shared_gate is None):
+        raise _no(f"{field}.shared_expert_gate", "Qwen3-Next's MoE has a sigmoid-gated shared expert; allowed: "
+                  "shared_d_ff (or n_shared_experts) with shared_expert_gate=true")
+
+
+def _check_rope(cfg, scalings: tuple) -> None:
+    pos = cfg.position
+    if pos.name != "rope":
+        raise _no("model.position.name", f"{pos.name} (the transformers attention layers use RoPE)")
+    if pos.scaling not in scalings:
+        raise _no("model.position.scaling", f"{pos.scaling} (exported: {', '.join(scalings)})")
+
+
+def _mixer_field(cfg, mc) -> str:
+    """The config path of a layer's mixer config: model.mixers.<key> for a named one, else model.mixer."""
+    named = next((k for k, v in cfg.mixers.items() if v is mc), None)
+    if named is None and cfg.pattern:  # a registered name in the pattern: configured as model.mixers.<name>
+        named = mc.name
+    return "model.mixer" if named is None else f"model.mixers.{named}"
+
+
+def _check_qwen3_next_attention(cfg, mc) -> None:
+    """The attention layers of a GDN hybrid match Qwen3-Next's gated attention exactly."""
+    field = _mixer_field(cfg, mc)
+    for key, want in (("qk_norm", True), ("output_gate", True), ("causal", True), ("conv_size", 0),
+                      ("softmax_scale", None), ("out_bias", mc.qkv_bias)):
+        if getattr(mc, key) != want:
+            raise _no(f"{field}.{key}", f"{getattr(mc, key)} (Qwen3-Next's attention layers: {key}={want}; they "
+                      f"have q/k RMSNorm, a sigmoid output gate and biases on all four projections or none)")
+    if cfg.position.name != "rope":
+        raise _no("model.position.name", f"{cfg.position.name} (Qwen3-Next's attention layers use RoPE)")
+    rot = cfg.head_dim * cfg.position.rotary_fraction
+    if int(rot) % 2:
+        raise _no("model.position.rotary_fraction", f"{cfg.position.rotary_fraction} rotates an odd {int(rot)} of "
+                  f"{cfg.head_dim} channels (transformers' partial_rotary_factor needs an even count)")
+
+
+def arch_for(model) -> Arch:
+    """The transformers architecture exactly equivalent to `model` (a DecoderLM); one-line ConfigError
+    naming the field that has no equivalent otherwise. Import uses the same rules, so both directions agree."""
+    cfg = model.cfg
+    if not isinstance(model, DecoderLM):
+        raise _no("model.name", f"{cfg.name} (exported: decoder-only LMs)")
+    if cfg.norm_position != "pre":
+        raise _no("model.norm_position", f"{cfg.norm_position}-norm blocks (transformers' decoders are pre-norm)")
+    if cfg.norm.name != "rmsnorm":
+        raise _no("model.norm.name", f"{cfg.norm.name} (the exported architectures use RMSNorm)")
+    kinds = [m.name for m in model.layer_mixers]
+    # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
+    hybrid = "gated_deltanet" in kinds and len(set(kinds)) == 2 and bool(set(kinds) & {"mha", "gqa", "mqa"})
+    if len(set(kinds)) > 1 and not hybrid:
+        raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer, or gated_deltanet "
+                  f"with mha / gqa / mqa layers as Qwen3-Next)")
+    for k in set(kinds):
+        if len({repr(m) for m in model.layer_mixers if m.name == k}) > 1:
+            raise _no("model.pattern", f"{k} layers configured differently (exported: one config per mixer kind)")
+    if hybrid:
+        _check_qwen3_next_attention(cfg, next(m for m in model.layer_mixers if m.name != "gated_deltanet"))
+    mc = next(m for m in model.layer_mixers if m.name == "gated_deltanet") if hybrid else model.layer_mixers[0]
+    kind, ffn, field = mc.name, cfg.ffn.name, _mixer_field(cfg, mc)
+    if kind in NO_EQUIVALENT:
+        raise _no(f"{field}.name", f"{kind}: {NO_EQUIVALENT[kind]}")
+    if ffn not in ("swiglu", "moe"):
+        raise _no("model.ffn.name", f"{ffn} (the exported architectures have a SwiGLU or MoE FFN)")
+    if getattr(mc, "conv_size", 0) and kind != "gated_deltanet":
+        raise _no(f"{field}.conv_size", f"{mc.conv_size}: a short conv in front of attention has no transformers "
+                  f"counterpart")
+    if getattr(mc, "softmax_scale", None) is not None:
+        raise _no(f"{field}.softmax_scale", f"{mc.softmax_scale} (transformers scales by head_dim^-1/2)")
+    mlp_bias = ffn == "swiglu" and cfg.ffn.bias
+    if kind in ("mha", "gqa", "mqa", "sliding_window"):
+        _check_rope(cfg, ("none", "linear", "llama3"))
+        if cfg.position.rotary_fraction != 1.0:
+            raise _no("model.position.rotary_fraction", f"{cfg.position.rotary_fraction} (Llama/Mistral rotate whole "
+                      f"heads)")
+        if not mc.causal:
+            raise _no(f"{field}.causal", "false (a causal LM)")
+        if getattr(mc, "sink_tokens", 0):
+            raise _no(f"{field}.sink_tokens", f"{mc.sink_tokens} attention sinks (Mistral's window has none)")
+        if mc.output_gate:
+            raise _no(f"{field}.output_gate", "true without gated_deltanet layers (Qwen3-Next's gated attention is "
+                      "exported in a hybrid pattern with gated_deltanet)")
+        if mc.qk_norm:  # Qwen3 / Qwen3-MoE: q/k RMSNorm on every head
+            if kind == "sliding_window":
+                raise _no(f"{field}.qk_norm", "true with a sliding window (Qwen3's window applies above "
+                          "max_window_layers only; exported with qk_norm: mha, gqa, mqa)")
+            if mc.qkv_bias != mc.out_bias:
+                raise _no(f"{field}.out_bias", f"{mc.out_bias} with qkv_bias={mc.qkv_bias} (Qwen3 biases all four "
+                          f"projections or none)")
+            if mlp_bias:
+                raise _no("model.ffn.bias", "true (Qwen3's MLP has no bias)")
+            if ffn == "moe":
+                _check_moe(model, QWEN3_MOE)
+                return QWEN3_MOE
+            return QWEN3
+        if ffn == "moe":
+            if mc.qkv_bias or mc.out_bias:
+                raise _no(f"{field}.qkv_bias", "attention biases (Mixtral has none)")
+            _check_moe(model, MIXTRAL)
+            return MIXTRAL
+        if kind == "sliding_window":
+            if mc.qkv_bias or mc.out_bias or mlp_bias:
+                raise _no(f"{field}.qkv_bias", "biases (Mistral has none)")
+            return MISTRAL
+        if mc.qkv_bias and not mc.out_bias:
+            if mlp_bias:
+                raise _no("model.ffn.bias", "true with qkv-only biases (Qwen2's MLP has no bias)")
+            return QWEN2
+        if mc.out_bias and not mc.qkv_bias:
+            raise _no(f"{field}.out_bias", "true without qkv_bias (Llama biases all four projections, Qwen2 q/k/v "
+                      "only)")
+        return LLAMA
+    if kind == "mla":
+        _check_rope(cfg, ("none",))
+        if mc.norm_eps != 1e-6:
+            raise _no(f"{field}.norm_eps", f"{mc.norm_eps} (DeepSeek-V3's latent RMSNorms use 1e-6)")
+        if mlp_bias:
+            raise _no("model.ffn.bias", "true (DeepSeek-V3's MLP has no bias)")
+        if ffn == "moe":
+            _check_moe(model, DEEPSEEK_V3)
+        return DEEPSEEK_V3
+    if kind == "gated_deltanet":
+        if cfg.position.name not in ("none", "rope"):
+            raise _no("model.position.name", f"{cfg.position.name} embeddings (Qwen3-Next adds none)")
+        if hybrid:
+            _check_rope(cfg, ("none",))
+        for key, want in (("conv_bias", False), ("qkv_activation", "silu"), ("allow_neg_eigval", False),
+                          ("use_output_norm", True), ("use_gate", True)):
+            if getattr(mc, key) != want:
+                raise _no(f"{field}.{key}", f"{getattr(mc, key)} (Qwen3-Next's linear layers: {want})")
+        if mc.conv_size < 1:
+            raise _no(f"{field}.conv_size", "0 (Qwen3-Next's linear layers have a short conv)")
+        if mc.norm_eps != cfg.norm.eps:
+            raise _no(f"{field}.norm_eps", f"{mc.norm_eps} differs from model.norm.eps={cfg.norm.eps} (Qwen3-Next "
+                      f"uses rms_norm_eps for both)")
+        if mlp_bias:
+            raise _no("model.ffn.bias", "true (Qwen3-Next's MLP has no bias)")
+        if ffn == "moe":
+            _check_moe(model, QWEN3_NEXT)
+        return QWEN3_NEXT
+    raise _no(f"{field}.name", f"{kind} (exported: mha, gqa, mqa, sliding_window, mla, gated_deltanet)")

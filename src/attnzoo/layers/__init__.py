@@ -1,0 +1,1 @@
+"""Model parts other than token mixers: FFNs, MoE, norms, positions, KV-cache containers, aux-loss hooks."""

@@ -1,0 +1,323 @@
+"""KV-cache formats at inference: bf16 storage, and KIVI's asymmetric int8 / int4 quantization (Liu et al.
+2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv:2402.02750).
+
+`inference.kv_cache_dtype` (`KVFormat.dtype`):
+  fp32        the plain `KVCache`: keys/values as computed (the format changes nothing; the default)
+  bf16        keys/values stored in bf16 (`BF16KVCache`), read back in the compute dtype
+  int8, int4  `QuantizedKVCache`, b = 8 or 4 bit codes (uint8; int4 packs two per byte along head_dim:
+              channel 2i in the low nibble, 2i+1 in the high one), each group with an fp16 scale `s` and
+              zero `z`, x ~ x_hat = q * s + z, q in [0, 2^b - 1]:
+                keys    per channel: one (s, z) per (head, channel) over each group of G consecutive tokens
+                        (KIVI sec. 3: key outliers sit in fixed channels)
+                values  per token: one (s, z) per (head, token) over each group of G channels (the last of
+                        the ceil(D/G) groups is shorter when G does not divide head_dim D)
+              residual window: after n tokens the first n_q(n) = G * floor(max(0, n - R) / G) are held
+              quantized, the other n - n_q(n) (between min(n, R) and R + G - 1) in the compute dtype. Groups
+              are tokens [jG, (j+1)G) counted from position 0; group j is quantized once, on the call that
+              brings n to R + (j+1)G or past it (all of its tokens have left the last R), never again.
+
+Which layers: mha / gqa / mqa (`KV_QUANT_MIXERS`, the layers whose cache is a `KVCache`). Every other
+mixer keeps its own cache, bytes unchanged: sliding-window ring, MLA latents, recurrent states.
+
+Attention over the cache: a call's own new keys/values are used as computed; the held past is read as
+stored (quantized tokens dequantized). A single prefill therefore equals the full forward exactly, and the
+quantization error enters through later calls, as in KIVI (its prefill attends in full precision).
+
+Error bound: z = the group's min rounded down to fp16, s = (max - z) / (2^b - 1) rounded up to fp16 (at least
+2^-24). Every x of the group then has (x - z) / s in [0, 2^b - 1], so round() needs no clamping and
+|x - x_hat| <= s / 2 (plus the compute dtype's rounding of q * s + z): s ~ range / 255 for int8, range / 15
+for int4. Values beyond fp16's range (|x| > 65504) are not representable as scale/zero (inf).
+
+Bytes per layer after n tokens, batch B, n_g KV heads, head dim D, n_q = n_q(n), element size e of the
+compute dtype (`kv_bytes`):
+  fp32      2 * B * n_g * n * D * e
+  bf16      2 * B * n_g * n * D * 2
+  int8/int4 B * n_g * [2 * n_q * D * b / 8            codes, keys and values
+                       + 4 * (n_q / G) * D            key scale + zero (fp16), per channel per group
+                       + 4 * n_q * ceil(D / G)        value scale + zero (fp16), per token per group
+                       + 2 * (n - n_q) * D * e]       the full-precision window
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.mixers.attention import KVCache
+from attnzoo.mixers.base import dtype_bytes
+
+KV_CACHE_DTYPES = ("fp32", "bf16", "int8", "int4")
+KV_QUANT_MIXERS = ("mha", "gqa", "mqa")  # the mixers whose cache is a KVCache (read through `update` only)
+CONFIG_FIELDS = ("inference.kv_cache_dtype", "inference.kv_group_size", "inference.kv_residual")
+SCALE_DTYPE = torch.float16  # KIVI's choice: 2 bytes per scale and per zero
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How mha/gqa/mqa layers store keys and values at inference (module docstring)."""
+
+    dtype: str = "fp32"  # fp32 | bf16 | int8 | int4
+    group_size: int = 32  # G: tokens per key group, channels per value group
+    residual: int = 32  # R: the most recent R tokens (up to R + G - 1) stay in the compute dtype
+
+    @classmethod
+    def of(cls, inference) -> "KVFormat":
+        """The format an `inference` config section (config.InferenceConfig) asks for."""
+        return cls(inference.kv_cache_dtype, inference.kv_group_size, inference.kv_residual)
+
+    @property
+    def bits(self) -> Optional[int]:
+        return {"int8": 8, "int4": 4}.get(self.dtype)
+
+    def check(self, head_dims=(), fields=CONFIG_FIELDS) -> "KVFormat":
+        """Raise a one-line ConfigError naming the field (`fields`: dtype, group size, residual) and what is
+        allowed; `head_dims`: those of the layers it will quantize (int4 packs pairs of channels)."""
+        f_dtype, f_group, f_res = fields
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"got {self.dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}", field=f_dtype)
+        if self.group_size <= 0:
+            raise ConfigError(f"must be >= 1 (tokens per key scale, channels per value scale), got {self.group_size}",
+                              field=f_group)
+        if self.residual < 0:
+            raise ConfigError(f"must be >= 0 (full-precision recent tokens), got {self.residual}", field=f_res)
+        odd = sorted({d for d in head_dims if d % 2})
+        if self.dtype == "int4" and odd:
+            raise ConfigError(f"int4 packs two channels per byte, but head_dim={odd[0]} is odd; allowed: int8, bf16, "
+                              f"fp32, or an even model.head_dim", field=f_dtype)
+        return self
+
+    def n_quantized(self, n: int) -> int:
+        """Tokens held quantized after n tokens: whole groups of G that have left the last R tokens."""
+        if self.bits is None:
+            return 0
+        G = self.group_size
+        return G * (max(0, n - self.residual) // G)
+
+    def new_cache(self) -> KVCache:
+        if self.dtype == "bf16":
+            return BF16KVCache()
+        if self.bits is not None:
+            return QuantizedKVCache(self)
+        return KVCache()
+
+    def kv_bytes(self, context_len: int, batch: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Analytic bytes of one layer's keys and values after `context_len` tokens (module docstring);
+        `dtype`: the compute dtype (the fp32 format and the full-precision window hold that)."""
+        rows, n, D = batch * n_kv_heads, context_len, head_dim
+        if self.bits is None:
+            return 2 * rows * n * D * (2 if self.dtype == "bf16" else dtype_bytes(dtype))
+        G, n_q = self.group_size, self.n_quantized(n)
+        codes = 2 * n_q * D * self.bits // 8
+        scales = 2 * dtype_bytes(SCALE_DTYPE) * ((n_q // G) * D + n_q * math.ceil(D / G))
+        window = 2 * (n - n_q) * D * dtype_bytes(dtype)
+        return rows * (codes + scales + window)
+
+
+def quantizes(mixer) -> bool:
+    """Whether `mixer`'s cache takes a KV format (mha / gqa / mqa)."""
+    return getattr(getattr(mixer, "cfg", None), "name", None) in KV_QUANT_MIXERS
+
+
+def format_kwargs(mixer, kv_format: Optional[KVFormat]) -> dict:
+    """`new_cache` / `cache_bytes` keyword arguments for one layer: the format where it applies."""
+    return {"kv_format": kv_format} if kv_format is not None and quantizes(mixer) else {}
+
+
+def coverage(fmt: KVFormat, layer_mixers: list[str], seq_len: Optional[int], fields=CONFIG_FIELDS,
+             seq_field: str = "data.seq_len") -> str:
+    """What `fmt` changes in a model whose layers have the mixers `layer_mixers`, evaluated on `seq_len`-token
+    sequences (None: any length, as in generation), in words ('' for fp32): which layers it stores and which
+    keep their own caches, and (int8 / int4) how many tokens are held quantized at the end of a sequence. A
+    one-line ConfigError where it would change nothing, so no run reports a "+0.0000" cost of a format that
+    was never applied: no mha / gqa / mqa layer, or a full-precision window R + G that covers the whole
+    sequence (the first group is quantized once R + G tokens are held; only tokens after it read it back)."""
+    if fmt.dtype == "fp32":
+        return ""
+    f_dtype, f_group, f_res = fields
+    n = len(layer_mixers)
+    quantized = [i for i, name in enumerate(layer_mixers) if name in KV_QUANT_MIXERS]
+    kept = sorted({name for name in layer_mixers if name not in KV_QUANT_MIXERS})
+    if not quantized:
+        raise ConfigError(f"{fmt.dtype} stores the KV caches of {' / '.join(KV_QUANT_MIXERS)} layers, and none of this "
+                          f"model's {n} layers is one ({', '.join(kept)}: own caches, unchanged); allowed: fp32, or "
+                          f"a model with an mha / gqa / mqa layer", field=f_dtype)
+    R, G = fmt.residual, fmt.group_size
+    if fmt.bits is not None and seq_len is not None and seq_len <= R + G:
+        raise ConfigError(f"{R} full-precision tokens (+ a group of {G}) cover the whole {seq_len}-token sequence "
+                          f"({seq_field}): no token would read a quantized key or value; allowed: "
+                          f"{f_res.rsplit('.', 1)[-1].lstrip('-')} + {f_group.rsplit('.', 1)[-1].lstrip('-')} "
+                          f"< {seq_len}", field=f_res)
+    kinds = "/".join(sorted({layer_mixers[i] for i in quantized}))
+    where = f"all {n} layers ({kinds})" if len(quantized) == n else (
+        f"layers {','.join(map(str, quantized))} of {n} ({kinds}); not quantized: "
+        f"{','.join(str(i) for i in range(n) if i not in quantized)} ({', '.join(kept)}: own caches)")
+    if fmt.bits is None or seq_len is None:
+        return f"{fmt.dtype} keys/values in {where}"
+    n_q = fmt.n_quantized(seq_len)
+    return (f"{fmt.dtype} keys/values in {where}; at {seq_len} tokens the first {n_q} held quantized, the last "
+            f"{seq_len - n_q} in full precision")
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def _own(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A dense copy that owns its storage (x may be a view of the fused qkv activation or a longer window)."""
+    return x.to(dtype=dtype or x.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+class BF16KVCache(KVCache):
+    """`KVCache` holding bf16 keys/values: k, v (B, n_kv_heads, T, head_dim), read back in the compute dtype."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        past_k, past_v = self.k, self.v
+        new_k, new_v = _own(k, torch.bfloat16), _own(v, torch.bfloat16)
+        self.k = new_k if past_k is None else torch.cat([past_k, new_k], dim=2)
+        self.v = new_v if past_v is None else torch.cat([past_v, new_v], dim=2)
+        if past_k is None:
+            return k, v
+        return torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+
+
+class QuantizedKVCache(KVCache):
+    """KIVI int8 / int4 keys and values (module docstring), batch-first like every cache:
+
+      k_codes, v_codes   (B, n_kv_heads, n_q, D * b / 8) uint8
+      k_scale, k_zero    (B, n_kv_heads, n_q / G, D) fp16         keys: per channel, per group of G tokens
+      v_scale, v_zero    (B, n_kv_heads, n_q, ceil(D / G)) fp16   values: per token, per group of G channels
+      k, v               (B, n_kv_heads, n - n_q, D)              the full-precision window (compute dtype)
+    """
+
+    def __init__(self, fmt: KVFormat) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.k_codes = self.k_scale = self.k_zero = None
+        self.v_codes = self.v_scale = self.v_zero = None
+
+    @property
+    def n_quantized(self) -> int:
+        return 0 if self.k_codes is None else self.k_codes.shape[2]
+
+    @property
+    def seq_len(self) -> int:
+        return self.n_quantized + (0 if self.k is None else self.k.shape[2])
+
+    def held(self, dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Every held key/value oldest first, in `dtype`: the dequantized tokens, then the window."""
+        if self.k is None:
+            return None, None
+        if self.k_codes is None:
+            return self.k, self.v
+        G, b, D = self.fmt.group_size, self.fmt.bits, self.k.shape[-1]
+        k = dequantize(unpack(self.k_codes, b, D), self.k_scale, self.k_zero, axis=2, group=G, dtype=dtype)
+        v = dequantize(unpack(self.v_codes, b, D), self.v_scale, self.v_zero, axis=3, group=G, dtype=dtype)
+        return torch.cat([k, self.k.to(dtype)], dim=2), torch.cat([v, self.v.to(dtype)], dim=2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new (B, Hkv, t, D) keys/values; return the held past (as stored) followed by the new ones
+        (as computed). Whole groups that have left the last R tokens are quantized here."""
+        past_k, past_v = self.held(k.dtype)
+        win_k = _own(k) if self.k is None else torch.cat([self.k, k], dim=2)
+        win_v = _own(v) if self.v is None else torch.cat([self.v, v], dim=2)
+        m = self.fmt.n_quantized(self.n_quantized + win_k.shape[2]) - self.n_quantized  # a multiple of G
+        if m > 0:
+            G, b = self.fmt.group_size, self.fmt.bits
+            kq, ks, kz = quantize(win_k[:, :, :m], axis=2, group=G, bits=b)  # keys: per channel, G tokens
+            vq, vs, vz = quantize(win_v[:, :, :m], axis=3, group=G, bits=b)  # values: per token, G channels
+            first = self.k_codes is None
+            grow = lambda old, new: new if first else torch.cat([old, new], dim=2)  # noqa: E731
+            self.k_codes, self.k_scale, self.k_zero = grow(self.k_codes, pack(kq, b)), grow(self.k_scale, ks), grow(self.k_zero, kz)
+            self.v_codes, self.v_scale, self.v_zero = grow(self.v_codes, pack(vq, b)), grow(self.v_scale, vs), grow(self.v_zero, vz)
+            win_k, win_v = _own(win_k[:, :, m:]), _own(win_v[:, :, m:])  # not a view pinning the quantized part
+        self.k, self.v = win_k, win_v
+        if past_k is None:
+            return k, v
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def _fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """x in fp16, rounded toward -inf (direction < 0) or +inf (> 0) instead of to nearest."""
+    h = x.to(SCALE_DTYPE)
+    wrong = h.to(x.dtype) > x if direction < 0 else h.to(x.dtype) < x
+    return torch.where(wrong, torch.nextafter(h, torch.full_like(h, math.copysign(math.inf, direction))), h)
+
+
+def _expand(t: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """Per-group values along the last dim -> per-element (each repeated `group` times, cut to n)."""
+    return t.repeat_interleave(group, dim=-1)[..., :n]
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # at least fp32 (fp64 stays fp64)
+
+
+def quantize(x: torch.Tensor, *, axis: int, group: int, bits: int):
+    """Asymmetric `bits`-bit codes of x over groups of `group` consecutive elements along `axis` (the last
+    group may be shorter). Returns (codes uint8 shaped like x, scale, zero fp16 shaped like x with
+    ceil(n / group) along `axis`), with zero <= min and scale * (2^bits - 1) >= max - zero in every group."""
+    xt = x.movedim(axis, -1).to(_work_dtype(x.dtype))
+    n = xt.shape[-1]
+    n_groups = -(-n // group)
+    pad = n_groups * group - n
+    lo = F.pad(xt, (0, pad), value=math.inf).unflatten(-1, (n_groups, group)).amin(-1)
+    hi = F.pad(xt, (0, pad), value=-math.inf).unflatten(-1, (n_groups, group)).amax(-1)
+    zero = _fp16_toward(lo, -1.0)
+    scale = _fp16_toward((hi - zero.to(hi.dtype)) / (2**bits - 1), 1.0).clamp_min(2.0**-24)
+    s, z = _expand(scale, group, n).to(xt.dtype), _expand(zero, group, n).to(xt.dtype)
+    codes = torch.round((xt - z) / s).clamp_(0, 2**bits - 1).to(torch.uint8)
+    back = lambda t: t.movedim(-1, axis).contiguous()  # noqa: E731
+    return back(codes), back(scale), back(zero)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, axis: int, group: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """x_hat = codes * scale + zero (the inverse layout of `quantize`), computed in >= fp32, returned in dtype."""
+    work = _work_dtype(dtype)
+    ct = codes.movedim(axis, -1)
+    n = ct.shape[-1]
+    s = _expand(scale.movedim(axis, -1), group, n).to(work)
+    z = _expand(zero.movedim(axis, -1), group, n).to(work)
+    return (ct.to(work) * s + z).to(dtype).movedim(-1, axis)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int4: two codes per byte along the last dim (even channel low nibble, odd channel high nibble)."""
+    return codes if bits == 8 else codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :n]
+
+
+# ----------------------------------------------------------------------------- teacher forcing through a cache
+
+
+def decode_calls(length: int, kv_format: Optional[KVFormat]) -> list[tuple[int, int]]:
+    """(start, end) of the calls that feed `length` teacher-forced tokens through a cache so that every token
+    sees the cache exactly as one-token-at-a-time decoding would. int8/int4: n_q(n) changes only at
+    n = R + jG, so one call of R + G tokens, then calls of G. bf16: every past token is read as bf16, so one
+    token per call. fp32 (or none): one call (equal to the full forward; tests/test_mixers_contract.py)."""
+    if kv_format is None or kv_format.dtype == "fp32":
+        return [(0, length)]
+    if kv_format.dtype == "bf16":
+        return [(t, t + 1) for t in range(length)]
+    first, G = kv_format.residual + kv_format.group_size, kv_format.group_size
+    starts = [0, *range(first, length, G)]
+    return [(s, min(e, length)) for s, e in zip(starts, starts[1:] + [length]) if s < length]
+
+
+@torch.no_grad()
+def logits_through_cache(model, idx: torch.Tensor, kv_format: Optional[KVFormat]) -> torch.Tensor:
+    """Teacher-forced logits (B, T, V) of a decoder LM computed through a fresh cache in `kv_format`
+    (`decode_calls`): later tokens attend to the past keys/values as the cache stores them."""
+    cache = model.new_cache(idx.shape[0], idx.shape[1], kv_format=kv_format)
+    return torch.cat([model(idx[:, s:e], cache=cache) for s, e in decode_calls(idx.shape[1], kv_format)], dim=1)

@@ -1,0 +1,1 @@
+"""Whole models: the decoder LM, the encoder-decoder, vision families, FLOPs accounting."""

@@ -1,0 +1,1 @@
+"""Training: LightningModules, callbacks, checkpoint I/O, loggers, launch, run dir, config checks, train()."""

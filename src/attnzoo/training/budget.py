@@ -1,0 +1,104 @@
+"""Matched parameter budgets: adjust one width so that a model has a target parameter count (within 2%).
+
+Which width (the rest of the model is left as configured):
+  ffn mlp / swiglu / moe   model.ffn.d_ff   (MoE: each expert's hidden size)
+  ffn none                 model.head_dim   (the per-head inner width of every mixer's projections; the
+                                             residual width d_model stays, so mixers are compared at the
+                                             same d_model as Zoology does; even values only, for RoPE)
+
+`count`: "non_embedding" (default; excludes the token embedding and a learned position table — with a
+small model and a large vocabulary the embedding would otherwise swamp the budget; Kaplan et al. 2020's
+N) or "total" (every parameter; a tied LM head counts once).
+
+Hook for train() (config: `model_budget: {params: N, count: non_embedding, tol: 0.02}` or null):
+    budget_metrics = apply_budget(container, dm.vocab_size)   # before LitLM(container, ...)
+It rewrites container["model"] in place and returns {"budget/target", "budget/params", "budget/value",
+"budget/rel_error"} to log (budget/field names the width it set).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from attnzoo.config.errors import ConfigError
+
+
+def count_params(model_cfg: dict, vocab_size: int, count: str = "non_embedding") -> int:
+    """Parameters of the model its family builds from model_cfg (decoder LM, encoder-decoder, encoder), on
+    the meta device: no memory, no init cost."""
+    from attnzoo.training.families import embedding_params, family_of
+
+    build = family_of(model_cfg).build_model
+    try:
+        with torch.device("meta"):
+            model = build(copy.deepcopy(model_cfg), vocab_size)
+    except (NotImplementedError, RuntimeError):  # a module whose init needs real values
+        model = build(copy.deepcopy(model_cfg), vocab_size)
+    total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors are yielded once
+    if count == "non_embedding":
+        total -= embedding_params(model)
+    elif count != "total":
+        raise ConfigError(f"got {count!r}; allowed: non_embedding, total", field="model_budget.count")
+    return total
+
+
+def width_field(model_cfg: dict) -> tuple[str, int]:
+    """(dotted key under model, step) of the width the budget adjusts."""
+    ffn = (model_cfg.get("ffn") or {}).get("name", "swiglu")
+    return ("ffn.d_ff", 1) if ffn != "none" else ("head_dim", 2)
+
+
+def _with(model_cfg: dict, key: str, value: int) -> dict:
+    out = copy.deepcopy(model_cfg)
+    node = out
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return out
+
+
+def match_budget(model_cfg: dict, vocab_size: int, params: int, count: str = "non_embedding",
+                 tol: float = 0.02) -> tuple[dict, dict]:
+    """Return (model config with the width set, info) with |params - target| <= tol * target.
+
+    The parameter count is non-decreasing in the width, so a doubling then bisection search finds the
+    smallest width reaching the target; the closer of it and the step below wins."""
+    key, step = width_field(model_cfg)
+    f = lambda w: count_params(_with(model_cfg, key, w * step), vocab_size, count)  # noqa: E731
+    lo, hi = 1, 1
+    while f(hi) < params:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:
+            raise ConfigError(f"{params} parameters not reachable by growing model.{key}", field="model_budget.params")
+    while lo < hi:  # smallest w with f(w) >= params
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if f(mid) < params else (lo, mid)
+    best = min({max(1, lo - 1), lo}, key=lambda w: abs(f(w) - params))
+    got = f(best)
+    rel = abs(got - params) / params
+    if rel > tol:
+        raise ConfigError(
+            f"closest is {got} parameters at model.{key}={best * step} ({rel:.1%} off {params}); allowed: a target "
+            f"within {tol:.0%} of what model.{key} can reach (the rest of the model already has {f(1)} at the smallest width)",
+            field="model_budget.params",
+        )
+    info = {"budget/target": float(params), "budget/params": float(got), "budget/value": float(best * step),
+            "budget/rel_error": rel, "budget/field": f"model.{key}"}
+    return _with(model_cfg, key, best * step), info
+
+
+def apply_budget(container: dict, vocab_size: int) -> dict:
+    """train() hook: with container['model_budget'] = {params, count?, tol?}, set the matched width in
+    container['model'] (in place); return the budget metrics (empty without a budget)."""
+    budget: Any = container.get("model_budget")
+    if not budget:
+        return {}
+    if not isinstance(budget, dict) or "params" not in budget:
+        raise ConfigError("expected {params: N, count: non_embedding|total, tol: 0.02}", field="model_budget")
+    model, info = match_budget(container["model"], vocab_size, int(budget["params"]), budget.get("count", "non_embedding"),
+                               float(budget.get("tol", 0.02)))
+    container["model"] = model
+    return info

@@ -1,0 +1,112 @@
+"""Checkpoint safety: atomic writes and a clear one-line error for unreadable checkpoints."""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.paths import follow_umask
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temp file in the same folder, fsync, then `os.replace` onto the target: a process killed
+    mid-write leaves the previous checkpoint intact (and a stray `.tmp`, removed by the next successful
+    save), never a truncated one. The file's mode follows the umask, as every other file of the run."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            follow_umask(fd)  # mkstemp's 0600 would make the checkpoint unreadable to the group (shared filesystems)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            # temp files of writes that a killed process left behind are garbage now
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
+        # our checkpoints hold tensors, numbers, strings and dicts only: safe to load weights_only
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def flatten(d: Any, prefix: str = "") -> dict:
+    """{'model': {'d_model': 8}} -> {'model.d_model': 8}; lists become strings (dashboard filters)."""
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, (list, tuple)):
+        out[prefix[:-1]] = str(list(d))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
+    """Fail with one line if `path` is not a complete, loadable checkpoint (before any work); return it
+    (memory-mapped: reading `hyper_parameters` or `global_step` does not load the weights)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path} is a directory; allowed: a .ckpt file, or `last` with hydra.run.dir=<run dir>", field=field)
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
+    if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
+        raise ConfigError(f"{path} is corrupt or truncated (not a complete torch zip archive)", field=field)
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path} cannot be loaded ({first[:160]})", field=field) from None
+    missing = [k for k in ("state_dict", "global_step") if k not in state]
+    if missing:
+        raise ConfigError(f"{path} is not a training checkpoint (missing {', '.join(missing)})", field=field)
+    return state
+
+
+# a resumed run may change these without changing what the checkpoint means (model.impl: the kernels, not the weights)
+RESUMABLE_CHANGES = ("data.num_workers", "model.impl")
+
+
+def _model_defaults() -> dict:
+    """model.* defaults of the typed config (flattened), for fields a saved config may predate."""
+    import dataclasses
+
+    from attnzoo.config.schema import ModelConfig
+
+    return {k: v for k, v in flatten({"model": dataclasses.asdict(ModelConfig())}).items() if v is not None}
+
+
+def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path) -> None:
+    """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
+    config other than the one it was trained with (weights of another shape fail to load; a silent
+    change, e.g. of the positional encoding, would load and mean something else)."""
+    if not saved_cfg:
+        return
+    old = flatten({s: saved_cfg.get(s) for s in ("model", "data")})
+    new = flatten({s: cfg.get(s) for s in ("model", "data")})
+    # a field added to the config after the checkpoint was written, at its default value, changes nothing
+    defaults = _model_defaults()
+    absent = lambda k, d: k not in d and k in defaults  # noqa: E731
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+            and not (absent(k, old) and new.get(k) == defaults[k]) and not (absent(k, new) and old.get(k) == defaults[k])]
+    diff.sort(key=lambda k: not k.endswith(".name"))  # a swapped part (mixer, ffn, ...) first, then its fields
+    if diff:
+        shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff[:6])
+        more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+        raise ConfigError(
+            f"{path} was trained with another model/data config: {shown}{more}; allowed: the run's own values "
+            f"(attnzoo-train --resume RUN_DIR reuses them)", field="ckpt_path")

@@ -1,0 +1,314 @@
+"""Validation of a whole composed run config (`validate`): the typed sections from `config`, the model
+family's data and metrics (`families`), the trainer, callbacks, loggers and output directory. Every
+ConfigError surfaces here, before any work. A layer above `config` (it knows the data modules and the
+model families), so the model-part configs never import it.
+"""
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
+                     resolve_model, tagged)
+from attnzoo.data import DATAMODULES
+from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.training.families import check_data, family_of
+
+
+def _check_trainer(t: TrainerConfig) -> None:
+    vci = t.val_check_interval
+    check(isinstance(vci, (int, float)) and not isinstance(vci, bool) and vci > 0 and (isinstance(vci, int) or vci <= 1),
+          "trainer.val_check_interval", f"got {vci!r}; allowed: a positive number of steps, or a fraction in (0, 1]")
+    lvb = t.limit_val_batches
+    check(isinstance(lvb, (int, float)) and not isinstance(lvb, bool) and lvb >= 0, "trainer.limit_val_batches",
+          f"got {lvb!r}; allowed: a number of batches >= 0, or a fraction in [0, 1]")
+    check(t.gradient_clip_val is None or t.gradient_clip_val > 0, "trainer.gradient_clip_val",
+          f"got {t.gradient_clip_val}; allowed: a positive norm, or null (no clipping)")
+    check(t.log_every_n_steps > 0, "trainer.log_every_n_steps", f"must be positive, got {t.log_every_n_steps}")
+    check(t.num_nodes >= 1, "trainer.num_nodes", f"must be >= 1, got {t.num_nodes}")
+    d = t.devices
+    ok = d in ("auto", -1, "-1") or isinstance(d, (list, tuple)) and len(d) > 0 or (str(d).isdigit() and int(d) >= 1)
+    check(ok, "trainer.devices", f"got {d!r}; allowed: a count >= 1, a list of device ids, -1 or auto")
+
+
+def check_devices_present(t: TrainerConfig) -> None:
+    """Run time, not config validation (a GPU preset is a valid config on a CPU machine): the requested
+    accelerator exists here."""
+    if t.accelerator in ("gpu", "cuda"):
+        import torch
+
+        check(torch.cuda.is_available(), "trainer.accelerator",
+              f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu "
+              f"(trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes)")
+
+
+def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
+    every = cb.get("checkpoint_every_n_steps")
+    check(every is None or (isinstance(every, int) and every >= 0), "callbacks.checkpoint_every_n_steps",
+          f"got {every!r}; allowed: null (every val_check_interval), 0 (same) or a positive number of steps")
+    # metrics that exist when checkpoints / early stopping read them: validation metrics of this task
+    metrics = family_of(model).metrics(data)
+    monitors = [("callbacks.monitor", cb.get("monitor"))]
+    if isinstance(cb.get("early_stop"), dict):
+        monitors.append(("callbacks.early_stop.monitor", cb["early_stop"].get("monitor")))
+    for field_name, m in monitors:
+        if m is not None:
+            check_choice(m, field_name, metrics)
+
+
+MIN_FREE_BYTES = 64 << 20  # below this a run would stop at its first checkpoint with ENOSPC
+
+
+def _check_output_dir(path: str) -> None:
+    """The run dir (or its nearest existing parent) must be writable: fail now, not at the first checkpoint."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    check(p.is_dir() and os.access(p, os.W_OK | os.X_OK), "paths.output_dir",
+          f"{path} is not writable ({p} is {'not a directory' if not p.is_dir() else 'read-only'}); allowed: a writable directory")
+    free = shutil.disk_usage(p).free
+    check(free >= MIN_FREE_BYTES, "paths.output_dir",
+          f"{path}: only {free / 2**20:.1f} MiB free on its filesystem; allowed: >= {MIN_FREE_BYTES >> 20} MiB free "
+          f"(checkpoints, logs)")
+
+
+def _check_eval(ev, model: ModelConfig, data: Any) -> None:
+    lengths = list(ev.context_lengths or [])
+    check(all(isinstance(L, int) and L >= 2 for L in lengths), "eval.context_lengths",
+          f"got {lengths}; allowed: a list of lengths >= 2, e.g. [512, 1024]")
+    check(ev.max_batches >= 1, "eval.max_batches", f"must be >= 1, got {ev.max_batches}")
+    if lengths and not family_of(model).decoder_only:
+        raise ConfigError(f"length evaluation is for decoder LMs; allowed with model={model.name}: []",
+                          field="eval.context_lengths")
+    if model.position.name == "learned":
+        too_long = [L for L in lengths if L > model.max_seq_len]
+        check(not too_long, "eval.context_lengths", f"{too_long} exceed the learned position table "
+              f"(model.max_seq_len={model.max_seq_len}); allowed: <= {model.max_seq_len}, or another position")
+    pairs = getattr(data, "num_kv_pairs", None)
+    if pairs and lengths:
+        short = [L for L in lengths if L < 4 * pairs]
+        check(not short, "eval.context_lengths", f"{short} cannot hold {pairs} key-value pairs and their "
+              f"queries; allowed: >= {4 * pairs}")
+
+
+def _check_blocks(model: ModelConfig, data: Any) -> None:
+    """Block-sparse mixers (nsa, moba): training sequences are whole blocks."""
+    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
+        bs = getattr(mixer, "block_size", None)
+        if bs and data.seq_len % bs:
+            raise ConfigError(f"{bs} does not divide data.seq_len={data.seq_len}; allowed: a divisor of "
+                              f"{data.seq_len}", field=f"model.layers[{i}].mixer.block_size")
+
+
+def _check_sinks(model: ModelConfig, data: Any) -> None:
+    """Attention sinks (sliding_window.sink_tokens): fewer than the sequence, or every token would be a sink
+    (full attention, each token cached twice: in the window's ring and beside it)."""
+    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
+        sinks = getattr(mixer, "sink_tokens", 0)
+        check(sinks < data.seq_len or sinks == 0, f"model.layers[{i}].mixer.sink_tokens",
+              f"{sinks} sink tokens cover the whole data.seq_len={data.seq_len}; allowed: 0 .. {data.seq_len - 1}")
+
+
+def _check_inference(inf: InferenceConfig, model: ModelConfig, data: Any) -> None:
+    """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
+    is quantized: mha / gqa / mqa), decoder LMs only, and one that changes something at data.seq_len."""
+    from attnzoo.mixers.kv_quant import KV_QUANT_MIXERS, KVFormat, coverage
+
+    decoder = family_of(model).decoder_only
+    quantized = decoder and any(getattr(mc, "name", None) in KV_QUANT_MIXERS for mc in layer_mixer_configs(model))
+    KVFormat.of(inf).check(head_dims=[model.head_dim] if quantized else [])
+    if inf.kv_cache_dtype != "fp32" and not decoder:
+        raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
+                          field="inference.kv_cache_dtype")
+    if inf.kv_cache_dtype != "fp32":
+        coverage(KVFormat.of(inf), [mc.name for mc in layer_mixer_configs(model)], data.seq_len)
+
+
+def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> None:
+    """trainer.context_parallel: DDP, a decoder LM whose every layer has a sharded path, no attention dropout,
+    and a sequence length that splits into the layout's equal segments, each longer than any conv tail."""
+    from attnzoo.distributed.context_parallel import LAYOUTS, check_layout, resolve_layout
+    from attnzoo.config.registry import MIXERS
+
+    cp = t.context_parallel
+    check(isinstance(cp, int) and cp >= 1, "trainer.context_parallel", f"got {cp!r}; allowed: an integer >= 1")
+    check_choice(t.context_parallel_layout, "trainer.context_parallel_layout", LAYOUTS)
+    if cp == 1:
+        return
+    check(str(t.strategy).startswith("ddp"), "trainer.context_parallel",
+          f"{cp} needs {cp} processes per sequence; allowed with strategy={t.strategy}: 1 (use trainer=ddp_cpu / ddp)")
+    d = t.devices
+    if str(d).isdigit() or isinstance(d, (list, tuple)):
+        world = (int(d) if str(d).isdigit() else len(d)) * t.num_nodes
+        check(world % cp == 0, "trainer.context_parallel",
+              f"{cp} does not divide the {world} processes (devices x num_nodes); allowed: a divisor of {world}")
+    fam = family_of(model)
+    check(fam.name == "decoder", "trainer.context_parallel",
+          f"is for decoder LMs; allowed with model={model.name} ({fam.name} family): 1")
+    mixers = layer_mixer_configs(model)
+    able = sorted(n for n in MIXERS.names() if MIXERS.get(n).cls.context_parallel)
+    for i, mc in enumerate(mixers):
+        check(MIXERS.get(mc.name).cls.context_parallel, "trainer.context_parallel",
+              f"layer {i} is {mc.name}, which has no sharded form; allowed mixers: {', '.join(able)} (or 1)")
+    check(model.dropout == 0, "model.dropout",
+          f"{model.dropout} with trainer.context_parallel={cp}: ring attention has no attention-probability "
+          "dropout; allowed: 0")
+    check(getattr(model.position, "scaling", "none") != "dynamic", "model.position.scaling",
+          "dynamic NTK rescales by the largest position in each call, which differs per shard; allowed with "
+          "trainer.context_parallel > 1: none, linear, yarn, llama3")
+    tail = max([1] + [getattr(mc, "conv_size", 0) - 1 for mc in mixers])
+    check_layout(data.seq_len, cp, resolve_layout(t.context_parallel_layout, [mc.name for mc in mixers]), tail)
+
+
+def _check_length(run: Any, model: ModelConfig) -> None:
+    """trainer.max_steps / max_tokens / max_flops (attnzoo/config/stops.py): positive or null, at least one given;
+    the budgets for decoder LMs (their FLOPs per token are the model's own count), not with linearize's
+    stage plan."""
+    t = run.trainer
+    check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps",
+          f"must be positive (or null with trainer.max_tokens / max_flops), got {t.max_steps}")
+    for key in ("max_tokens", "max_flops"):
+        value = getattr(t, key)
+        if value is None:
+            continue
+        check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, f"trainer.{key}",
+              f"must be positive or null, got {value!r}")
+        fam = family_of(model)
+        check(fam.name == "decoder", f"trainer.{key}", f"is for decoder LMs; allowed with model={model.name} "
+              f"({fam.name} family): null (trainer.max_steps)")
+        check(run.linearize is None, f"trainer.{key}", "with experiment=linearize: its stages set the steps; "
+              "allowed: null")
+    check(t.max_steps is not None or t.max_tokens is not None or t.max_flops is not None, "trainer.max_steps",
+          "is null and no budget is set; allowed: a positive number of steps, or trainer.max_tokens / max_flops")
+
+
+def _check_packing(run: Any, model: ModelConfig, data: Any) -> None:
+    """data.packing / data.pad_documents: a decoder LM trained by attnzoo-train's LM module on one process per
+    sequence (the teacher of experiment=linearize and ring attention take no document masks)."""
+    for key in ("packing", "pad_documents"):
+        if not getattr(data, key, False):
+            continue
+        check(family_of(model).name == "decoder", f"data.{key}", f"is for decoder LMs; allowed with "
+              f"model={model.name}: false")
+        check(run.trainer.context_parallel == 1, f"data.{key}", "with trainer.context_parallel > 1: ring attention "
+              "takes no document mask; allowed: false (or trainer.context_parallel=1)")
+        check(run.linearize is None, f"data.{key}", "with experiment=linearize: the teacher scores each row as one "
+              "text; allowed: false")
+
+
+def _check_memory(run: Any, model: ModelConfig) -> None:
+    """trainer.activation_checkpointing / trainer.ce_chunk_tokens: options of the decoder LM's training step
+    (model.DecoderLM's block loop, LitLM's loss); chunked cross-entropy never makes the logits that
+    experiment=linearize distils from. Under compile=true the recomputation runs without attnzoo's recompute
+    context (torch.compile takes no checkpoint context_fn), which routed FFNs (their load would count twice) and
+    context parallelism (the ring must be recomputed sharded) need."""
+    t = run.trainer
+    check(t.ce_chunk_tokens >= 0, "trainer.ce_chunk_tokens",
+          f"got {t.ce_chunk_tokens}; allowed: 0 (full logits) or the tokens per chunk, >= 1 (e.g. 1024)")
+    fam = family_of(model)
+    options = (("activation_checkpointing", t.activation_checkpointing, "false", ("decoder", "linearize")),
+               ("ce_chunk_tokens", t.ce_chunk_tokens > 0, "0", ("decoder",)))
+    for key, on, off, families in options:
+        if on and fam.name not in families:
+            why = ("distillation compares the full logits with the teacher's" if fam.name == "linearize"
+                   else "it is an option of the decoder LM (model.DecoderLM)")
+            raise ConfigError(f"is not available for model={model.name} ({fam.name} family): {why}; allowed: {off}",
+                              field=f"trainer.{key}")
+    if t.activation_checkpointing and run.compile:
+        moe = getattr(model.ffn, "name", None) == "moe"
+        check(not moe and t.context_parallel == 1, "trainer.activation_checkpointing",
+              f"with compile=true and {'model/ffn=moe' if moe else 'trainer.context_parallel > 1'}: the compiled "
+              "recomputation cannot be told apart from the forward; allowed: false, or compile=false")
+
+
+def _check_linearize(node: Any, model: ModelConfig) -> None:
+    """experiment=linearize: the section's values, and a planned student (attnzoo.training.linearize.apply_linearize,
+    which needs model.init_from) — a `linearize` section on any other model is refused."""
+    if node is None:
+        if model.name == "linearize":
+            raise ConfigError("is the student of experiment=linearize; allowed: a `linearize` section (experiment="
+                              "linearize) with model.init_from", field="model.name")
+        return
+    from attnzoo.training.linearize import options
+
+    options(node)
+    if model.name != "linearize":
+        raise ConfigError("experiment=linearize needs a pretrained model to linearize; allowed: "
+                          "model.init_from=<local transformers model dir>", field="model.init_from")
+
+
+def _check_sections(model: ModelConfig, family) -> None:
+    """model.vision / model.connector are read by the families that declare them; elsewhere they would be
+    silently ignored, so they are refused (e.g. a connector on an encoder-only model)."""
+    from attnzoo.training.families import FAMILIES
+
+    for section in ("vision", "connector"):
+        if getattr(model, section, None) is not None and section not in family.sections:
+            owners = [n for f in FAMILIES.values() if section in f.sections for n in f.model_names]
+            raise ConfigError(f"model={model.name} ({family.name} family) has no {section}; allowed: null, or "
+                              f"model={' | '.join(owners)}", field=f"model.{section}")
+
+
+def validate(cfg: DictConfig) -> dict:
+    """Validate a composed train config; return the typed sections. Raises ConfigError (one line)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    model_node = container.pop("model", None)
+    data_node = container.pop("data", None)
+    logger_node = container.pop("logger", None)
+    callbacks_node = container.pop("callbacks", None)
+    run: TrainConfig = _merge(TrainConfig, container, "")
+    model = resolve_model(model_node)
+    family = family_of(model)
+    if family.check_model is not None:  # the family's own options (model.encdec)
+        family.check_model(model_node)
+    data = tagged(DATAMODULES, data_node, "data", default_name="text")
+    check_data(model, data)  # a data module the model's family cannot use: refused before any work
+    if hasattr(data, "validate"):
+        data.validate(model, field="data")
+    _check_sections(model, family)
+    if family.check_with_data is not None:  # e.g. an image encoder's patches against the data's image size
+        family.check_with_data(model, data)
+    check_choice(run.optim.name, "optim.name", ("adamw",))
+    check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
+    check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",
+          f"got {list(run.optim.betas)}; allowed: two values in [0, 1), e.g. [0.9, 0.95]")
+    check(run.optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {run.optim.weight_decay}")
+    check(run.optim.eps > 0, "optim.eps", f"must be positive, got {run.optim.eps}")
+    check_choice(run.scheduler.name, "scheduler.name", ("cosine", "noam", "constant"))
+    check(run.scheduler.warmup_steps >= 0, "scheduler.warmup_steps", f"must be >= 0, got {run.scheduler.warmup_steps}")
+    check(0 <= run.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
+          f"must be in [0, 1] (a fraction of optim.lr), got {run.scheduler.min_lr_ratio}")
+    _check_length(run, model)
+    _check_trainer(run.trainer)
+    _check_callbacks(callbacks_node or {}, data, model)
+    _check_output_dir(run.paths.output_dir)
+    if model.position.name != "none":
+        check(data.seq_len <= model.max_seq_len, "data.seq_len",
+              f"{data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; allowed: <= {model.max_seq_len} "
+              f"(or raise model.max_seq_len)")
+    check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
+    check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
+    _check_eval(run.eval, model, data)
+    _check_inference(run.inference, model, data)
+    _check_context_parallel(run.trainer, model, data)
+    _check_packing(run, model, data)
+    _check_memory(run, model)
+    _check_blocks(model, data)
+    _check_sinks(model, data)
+    _check_linearize(run.linearize, model)
+    check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
+    check_choice(
+        run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+    )
+    check_choice(run.trainer.accelerator, "trainer.accelerator", ("cpu", "gpu", "cuda", "auto", "mps"))
+    if logger_node is not None and not isinstance(logger_node, dict):
+        raise ConfigError("expected a mapping", field="logger")
+    for name in (logger_node or {}):
+        check_choice(name, f"logger.{name}", ("csv", "tensorboard", "wandb"))
+    return {"run": run, "model": model, "data": data, "logger": logger_node or {}, "callbacks": callbacks_node or {}}

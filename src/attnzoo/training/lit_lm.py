@@ -1,0 +1,380 @@
+"""LightningModule for language modelling: loss, metrics, optimizer groups, LR schedules."""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from attnzoo.layers import aux_loss as hooks
+
+from attnzoo.distributed import context_parallel as parallel
+from attnzoo.config.schema import OptimConfig, SchedulerConfig, resolve_model
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.ops.cross_entropy import chunked_cross_entropy
+from attnzoo.ops.packing import Documents
+
+log = logging.getLogger("attnzoo")
+# validation metrics are reduced exactly (token-weighted all_gather) in on_validation_epoch_end
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
+
+
+def rng_states() -> dict:
+    """The global random generators (python, numpy, torch CPU and CUDA) in types `torch.load(weights_only=True)`
+    reads back: tensors, ints, floats."""
+    import random
+
+    import numpy as np
+
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss},
+           "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                     "cached": float(cached)},
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    py = states["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    nps = states["numpy"]
+    np.random.set_state(("MT19937", nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached"]))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
+    """Multiplier on optim.lr at optimizer step `s` (0-based).
+
+    cosine:   linear warmup to 1 over warmup_steps, then cosine decay to min_lr_ratio at max_steps.
+    noam:     d_model^-0.5 * min(s^-0.5, s * warmup^-1.5) (Vaswani et al. 2017), rescaled so the peak
+              (at s = warmup) is 1: then optim.lr is the peak learning rate.
+    constant: warmup then 1.
+    """
+    w = max(1, sched.warmup_steps)
+
+    def cosine(s: int) -> float:
+        if s < w:
+            return (s + 1) / w
+        progress = min(1.0, (s - w) / max(1, max_steps - w))
+        return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def noam(s: int) -> float:
+        step = s + 1
+        return min(step**-0.5, step * w**-1.5) / (w**-0.5)
+
+    def constant(s: int) -> float:
+        return min(1.0, (s + 1) / w)
+
+    return {"cosine": cosine, "noam": noam, "constant": constant}[sched.name]
+
+
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The paper's formula, lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (1-based)."""
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None) -> list[dict]:
+    """AdamW groups: decay on weight matrices only; none on norms, biases, embeddings, and parameters
+    flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias). Parameters flagged `_lr_scale`
+    (model=vlm's image encoder, model.vision.lr_scale) get groups of their own at lr * scale."""
+    groups: dict = {}
+    seen: set = set()
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        decay = p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False)
+        groups.setdefault((getattr(p, "_lr_scale", 1.0), decay), []).append(p)
+    out = [{"params": groups.pop((1.0, True), []), "weight_decay": weight_decay},
+           {"params": groups.pop((1.0, False), []), "weight_decay": 0.0}]
+    for (scale, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        out.append({"params": params, "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale,
+                    **({"lr": lr * scale} if lr is not None else {})})
+    return out
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN/inf (on_nonfinite=stop)."""
+
+
+class TrainingModule(L.LightningModule):
+    """What every attnzoo LightningModule shares: optimizer + schedule from the run config, the
+    non-finite-loss policy, and exact reduction of summed validation statistics across ranks.
+    Subclasses set `self.model` (with `cfg.d_model`) and call `_setup_training(cfg)` in `__init__`."""
+
+    def _setup_training(self, cfg: dict, default_scheduler: dict | None = None) -> None:
+        self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
+        sched = cfg.get("scheduler") or default_scheduler or {}
+        self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), sched))
+        # null with a token / FLOP budget: train.resolve_run_length sets the steps once the model is built
+        self.max_steps = int(cfg.get("trainer", {}).get("max_steps") or 1000)
+        self.on_nonfinite = cfg.get("on_nonfinite", "stop")
+        self.skipped_steps = 0
+        self._pending = None  # (finite flag, loss, step) of the last step, checked one step later on GPU
+
+    def _guard_loss(self, loss: torch.Tensor) -> bool:
+        """Apply `on_nonfinite`; False means: skip this optimizer step (return None from training_step)."""
+        if self.on_nonfinite == "stop" and loss.device.type != "cpu":
+            # GPU: no host sync in the hot path; check the previous step's flag (its kernels are done by now)
+            self._check_deferred()
+            self._pending = (torch.isfinite(loss.detach()), loss.detach(), self.global_step)
+        elif self.on_nonfinite != "ignore" and not torch.isfinite(loss):  # CPU (free) or skip mode
+            if self.on_nonfinite == "skip":
+                self.skipped_steps += 1
+                log.warning("non-finite training loss at step %d: step skipped", self.global_step)
+                return False
+            self._raise_nonfinite(loss, self.global_step)
+        return True
+
+    def _raise_nonfinite(self, loss: torch.Tensor, step: int) -> None:
+        raise NonFiniteLossError(
+            f"non-finite training loss ({loss.item()}) at step {step}; "
+            f"lower optim.lr, or set on_nonfinite=skip to skip such steps"
+        )
+
+    def _check_deferred(self) -> None:
+        if self._pending is not None:
+            finite, loss, step = self._pending
+            self._pending = None
+            if not bool(finite):
+                self._raise_nonfinite(loss, step)
+
+    def on_train_end(self) -> None:
+        self._check_deferred()
+
+    # ------------------------------------------------------------------ stateful submodules (MoE)
+    def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """Log the model's submodule stats and add their auxiliary losses (MoE balancing) to the training
+        loss, for every model family: a routed FFN inside an encoder-decoder balances like one in a decoder."""
+        for name, value in hooks.stats(self.model).items():
+            self.log(name, value)
+        aux = hooks.aux_loss(self.model)
+        return loss if aux is None else loss + aux
+
+    def finish_training_step(self, loss: torch.Tensor, logged: torch.Tensor | None = None):
+        """The end of every family's training_step: the non-finite-loss policy (None: Lightning skips the
+        optimizer step), `train/loss` (`logged` when the value to report differs from the one to backpropagate),
+        and the submodules' auxiliary losses."""
+        if not self._guard_loss(loss):
+            return None
+        self.log("train/loss", loss if logged is None else logged, prog_bar=True)
+        return self._with_aux(loss)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """After each optimizer step (not each micro-batch), let submodules update their own state (MoE
+        aux-loss-free bias). Done here rather than in on_train_batch_end so the update lands *before* the
+        checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use."""
+        super().optimizer_step(*args, **kwargs)
+        hooks.after_optimizer_step(self.model)
+
+    # ------------------------------------------------------------------ random state
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The random generators go into every checkpoint (Lightning keeps none): dropout masks, MLM masking
+        and anything else drawing from the global generators continue after a resume as without it."""
+        checkpoint["rng_states"] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng_states" in checkpoint:  # checkpoints written before the states were saved: seeded state kept
+            set_rng_states(checkpoint["rng_states"])
+
+    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum a vector of validation statistics over all ranks."""
+        if self.trainer.world_size > 1:
+            # every rank's vector, summed in rank order (the same on all ranks); torch.distributed.all_gather
+            # itself, not LightningModule.all_gather, whose torch.distributed.nn.functional.all_gather (autograd
+            # through the gather, not needed here) is deprecated
+            import torch.distributed as dist
+
+            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, stats.contiguous())
+            return torch.stack(gathered).sum(0)
+        return stats
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim_cfg
+        # fused AdamW: one kernel over all parameters (327 -> 49 ms per optimizer step on a 17.7M-param model,
+        # docs/benchmarks.md). Lightning refuses gradient clipping with a fused optimizer under AMP, so the
+        # mixed-precision modes keep the foreach implementation.
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        opt = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay, o.lr), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            fused="mixed" not in precision,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def lr_multiplier(self):
+        """Optimizer step -> multiplier on optim.lr (scheduler.*; a subclass may shape it differently)."""
+        return lr_lambda(self.sched_cfg, self.max_steps, self.model.cfg.d_model)
+
+    def summary_sections(self) -> dict:
+        """Extra top-level sections for summary.json (none here)."""
+        return {}
+
+    def load_pretrained(self, load, resuming: bool = False) -> None:
+        """model.init_from: `load(module)` fills a DecoderLM with the imported weights. Here: the model, unless a
+        checkpoint is about to give it its own (a subclass may load more, e.g. a frozen teacher, every time)."""
+        if not resuming:
+            load(self.model)
+
+
+class LitLM(TrainingModule):
+    """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
+
+    `cfg` is the whole resolved run config (a plain dict, saved as hyper-parameters so a checkpoint
+    rebuilds its model); `vocab_size` comes from the data module; `model_cfg`, the typed model config
+    `train()` resolved once (None: resolved here from cfg["model"], e.g. by load_from_checkpoint).
+    """
+
+    def __init__(self, cfg: dict, vocab_size: int, model_cfg: Any = None):
+        super().__init__()
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
+        self.model = DecoderLM(model_cfg if model_cfg is not None else resolve_model(cfg["model"]), vocab_size=vocab_size)
+        self._setup_training(cfg)
+        self._val = None
+        self._val_has_mask = False
+        trainer_cfg = cfg.get("trainer") or {}
+        self.cp_size = int(trainer_cfg.get("context_parallel", 1) or 1)  # trainer.context_parallel
+        self._cp_layout = parallel.resolve_layout(trainer_cfg.get("context_parallel_layout", "auto"),
+                                                  [m.name for m in self.model.layer_mixers])
+        self._cp_group, self._cp = None, {}  # the group (setup) and one ContextParallel per sequence length
+        # memory (docs/benchmarks.md#memory-activation-checkpointing-and-chunked-cross-entropy): blocks recomputed in
+        # backward; the training loss from the hidden states, ce_chunk_tokens tokens at a time (0: full logits)
+        self.model.activation_checkpointing = bool(trainer_cfg.get("activation_checkpointing", False))
+        self.ce_chunk_tokens = int(trainer_cfg.get("ce_chunk_tokens", 0) or 0)
+        # the (optionally compiled) callables used by the training/validation steps (logits; final hidden states);
+        # not submodules
+        object.__setattr__(self, "_fwd", self.model)
+        object.__setattr__(self, "_hidden", self.model.hidden_states)
+
+    def compile_model(self, **kwargs) -> None:
+        """torch.compile the training forward; generation and caches keep the eager model. The compiled
+        wrapper is not registered as a submodule, so checkpoints hold the plain `model.*` weights."""
+        object.__setattr__(self, "_fwd", torch.compile(self.model, **kwargs))
+        object.__setattr__(self, "_hidden", torch.compile(self.model.hidden_states, **kwargs))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    # ------------------------------------------------------------------ context parallelism (parallel.py)
+    def setup(self, stage: str) -> None:
+        """trainer.context_parallel > 1: split the world into DP x CP groups (after the process group exists)."""
+        if self.cp_size > 1 and self._cp_group is None:
+            self._cp_group = parallel.init_groups(self.cp_size)
+
+    def context(self, seq_len: int):
+        """This rank's ContextParallel for sequences of `seq_len` tokens (None without context parallelism)."""
+        if self._cp_group is None:
+            return None
+        if seq_len not in self._cp:
+            self._cp[seq_len] = parallel.ContextParallel(self._cp_group, parallel.check_layout(
+                seq_len, self.cp_size, self._cp_layout))
+        return self._cp[seq_len]
+
+    def tokens_in_batch(self, batch) -> int:
+        """Real tokens this rank processed (its shard of each sequence; padding not counted: a batch's token_mask),
+        for perf/tokens_per_sec."""
+        if len(batch) > 3:
+            return int(batch[3].sum()) // self.cp_size
+        return batch[0].numel() // self.cp_size
+
+    def _loss(self, batch, return_logits: bool = False, logits: torch.Tensor | None = None):
+        """Mean cross-entropy over counted positions; returns (loss, summed loss, count[, logits]).
+        `logits`: computed elsewhere (e.g. through a quantized KV cache) instead of by the training forward.
+
+        A batch is (x, y), (x, y, loss_mask), (x, y, loss_mask, token_mask) or (x, y, loss_mask, token_mask,
+        doc_ids): with a loss mask only its True positions count (synthetic tasks: the answer positions);
+        token_mask marks real (non-padding) tokens for routed FFNs' balancing (default: all tokens are real);
+        doc_ids (B, T) mark packed documents (data.packing: each computed as if alone, packing.py).
+        With trainer.ce_chunk_tokens > 0 and no logits asked for (the training step), the loss comes from the final
+        hidden states chunk by chunk (ops/cross_entropy.py) and the (B, T, V) logits are never made."""
+        cp = self.context(batch[0].shape[1]) if logits is None else None
+        if cp is not None:
+            batch = self.shard_batch(batch)
+        x, y = batch[0], batch[1]
+        mask = batch[2] if len(batch) > 2 else None
+        token_mask = batch[3] if len(batch) > 3 else None
+        chunked = self.ce_chunk_tokens > 0 and logits is None and not return_logits
+        run = self._hidden if chunked else self._fwd
+        if cp is not None:  # this rank's shard of every sequence; the loss is normalised by the group's count
+            with parallel.sharded(cp):
+                out = run(x, positions=cp.layout.positions(cp.rank, x.device), token_mask=token_mask)
+        elif logits is None:
+            out = run(x, token_mask=token_mask, documents=Documents(batch[4]) if len(batch) > 4 else None)
+        if chunked:
+            total = chunked_cross_entropy(out, self.model.lm_head.weight, y, mask, chunk_tokens=self.ce_chunk_tokens)
+            count = torch.as_tensor(y.numel() if mask is None else mask.sum(), device=y.device).to(total.dtype)
+        else:
+            logits = out if logits is None else logits
+            ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+            if mask is not None:
+                m = mask.reshape(-1).to(ce.dtype)
+                total, count = (ce * m).sum(), m.sum()
+            else:
+                total, count = ce.sum(), torch.tensor(float(ce.numel()), device=ce.device)
+        if cp is None:
+            loss = total / count.clamp_min(1)
+        else:
+            # DDP averages gradients over all DP x CP ranks: (1/CP) sum_r CP * grad(total_r) / count_group is the
+            # gradient of the group's mean loss, whatever share of the counted positions each rank holds
+            counts = torch.stack([total.detach(), count]).double()
+            torch.distributed.all_reduce(counts, group=cp.group)
+            loss = total / counts[1].clamp_min(1).to(total.dtype) * cp.size
+            self._group_loss = (counts[0] / counts[1].clamp_min(1)).float()
+        return (loss, total.detach(), count, logits) if return_logits else (loss, total.detach(), count)
+
+    def shard_batch(self, batch):
+        """The batch as this rank sees it (its shard of each sequence under context parallelism): what
+        per-position metrics compare the logits with."""
+        cp = self.context(batch[0].shape[1])
+        if cp is None:
+            return batch
+        return tuple(cp.layout.shard(t, cp.rank) if torch.is_tensor(t) and t.dim() >= 2 else t for t in batch)
+
+    def training_step(self, batch, batch_idx: int):
+        loss, _, _ = self._loss(batch)
+        # under context parallelism `loss` is this rank's share (scaled for the gradient); log the group's mean
+        return self.finish_training_step(loss, None if self._cp_group is None else self._group_loss)
+
+    def on_validation_epoch_start(self) -> None:
+        # [summed loss, counted positions, correct predictions]; reduced over ranks at epoch end
+        self._val = torch.zeros(3, device=self.device, dtype=torch.float64)
+        self._val_has_mask = False
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Accumulates the batch's loss sums; returns its logits (a subclass compares them, e.g. linearize)."""
+        _, total, count, logits = self._loss(batch, return_logits=True)
+        batch = self.shard_batch(batch)  # the positions these logits are for
+        correct = logits.argmax(-1) == batch[1]
+        if len(batch) > 2:
+            self._val_has_mask = True
+            correct = correct & batch[2]
+        self._val += torch.stack([total.double(), count.double(), correct.sum().double()])
+        return logits
+
+    def on_validation_epoch_end(self) -> None:
+        stats = self._reduce(self._val)
+        total, count, correct = stats[0], stats[1].clamp_min(1), stats[2]
+        val_loss = (total / count).float()
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(val_loss.clamp(max=50)), sync_dist=False)
+        if self._val_has_mask:  # synthetic tasks: accuracy on the answer positions only
+            self.log("val/acc", (correct / count).float(), prog_bar=True, sync_dist=False)
+
