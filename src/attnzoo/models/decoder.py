@@ -160,9 +160,19 @@ class DecoderLM(nn.Module):
         token_mask: Optional[torch.Tensor] = None,
         documents: Optional[Documents] = None,
     ):
-        """token_mask (B, T) bool: real (non-padding) tokens, passed to FFNs that route (MoE balancing).
-        documents (packing.Documents): several documents per row (data.packing), each computed as if alone:
-        positions restart per document, no mixer looks across a document start."""
+        """Logits for every position: `idx` (B, T) int64 token ids -> (B, T, vocab_size) in the weights' dtype.
+
+        positions: (T,) or (B, T) int64 absolute token positions (RoPE phases, masks, learned/sinusoidal
+            tables); None: `0..T-1`, or continuing from `cache.seq_len` when a cache is given.
+        cache: a `ModelCache` from `new_cache`: each layer reads and updates its own cache in place and
+            `cache.seq_len` advances by T (prefill with the prompt, then T=1 per decoded token). None: a plain
+            training / scoring forward over the whole sequence.
+        token_mask: (B, T) bool, True on real (non-padding) tokens; FFNs that route (MoE) balance only those.
+        documents: an `attnzoo.ops.packing.Documents` (data.packing: several documents per row): each is
+            computed as if alone (positions restart per document, no mixer looks across a document start).
+
+        Refused (ValueError): `documents` together with a cache (decode one document per row). A position past
+        `max_seq_len` with learned absolute positions is refused by the position table."""
         return self.lm_head(self.hidden_states(idx, positions, cache, token_mask, documents))
 
     # ------------------------------------------------------------------ hooks for stateful parts (MoE)
@@ -185,8 +195,12 @@ class DecoderLM(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32, device=None,
                   kv_format=None) -> ModelCache:
-        """`kv_format` (attnzoo.mixers.kv_quant.KVFormat): how the mha/gqa/mqa layers store keys and values (bf16,
-        KIVI int8/int4); None: as computed. The other layers' caches are unchanged."""
+        """An empty `ModelCache` for `batch` rows of up to `max_len` tokens: one cache per layer, of that layer's
+        mixer's kind (KV, ring buffer, latent, recurrent state; DESIGN.md section 2), on `device` (default: the
+        weights' device), holding `dtype` values. `kv_format` (attnzoo.mixers.kv_quant.KVFormat): how the
+        layers whose KV cache is quantizable store keys and values (bf16, KIVI int8/int4); None: as computed.
+        The other layers' caches are unchanged. Pass it to `forward(..., cache=)`; `cache.nbytes()` is what it
+        really holds."""
         device = device or self.embed.weight.device
         return ModelCache([m.new_cache(batch, max_len, dtype, device, **format_kwargs(m, kv_format)) for m in self.mixers])
 
@@ -229,8 +243,14 @@ class DecoderLM(nn.Module):
         use_cache: bool = True,
         kv_format=None,
     ) -> torch.Tensor:
-        """Autoregressive sampling: prefill the prompt once, then one token per step from the cache (its
-        keys/values stored in `kv_format`, see new_cache). temperature 0 = greedy. Returns (B, T + new) token ids."""
+        """Autoregressive sampling: prefill the prompt `idx` (B, T) once, then one token per step from the cache
+        (its keys/values stored in `kv_format`, see new_cache). Returns (B, T + n) token ids, n <= max_new_tokens
+        (fewer when every row has produced `eos_id`).
+
+        temperature: 0 = greedy (argmax); top_k / top_p: keep the k most likely tokens / the smallest set whose
+        probability reaches p before sampling (`sample_next`); generator: the sampling RNG (reproducible
+        completions); use_cache=False recomputes the whole sequence per token (the slow reference the cached
+        path is tested against). The model is put in eval mode for the call and restored after."""
         was_training = self.training
         self.eval()
         B, T = idx.shape
