@@ -4,7 +4,7 @@ nothing written. The rows of docs/reliability.md's table come from scripts/bad_i
 import pytest
 import torch
 
-from attnzoo.inference.generate import generate as inference
+from attnzoo.inference import generate as inference
 from attnzoo.bench import cli as bench_cli
 from attnzoo.inference.generate import eval_main, generate_main
 from attnzoo.training.run import train
