@@ -236,9 +236,17 @@ class TrainingModule(L.LightningModule):
 class LitLM(TrainingModule):
     """Next-token prediction (teacher forcing) on batches (x, y) or (x, y, loss_mask).
 
-    `cfg` is the whole resolved run config (a plain dict, saved as hyper-parameters so a checkpoint
-    rebuilds its model); `vocab_size` comes from the data module; `model_cfg`, the typed model config
-    `train()` resolved once (None: resolved here from cfg["model"], e.g. by load_from_checkpoint).
+    Args:
+        cfg: the whole resolved run config (a plain dict or DictConfig; saved as hyper-parameters so a
+            checkpoint rebuilds its model). Reads `model`, `optim`, `scheduler` and `trainer`
+            (`context_parallel`, `context_parallel_layout`, `activation_checkpointing`, `ce_chunk_tokens`,
+            `on_nonfinite`).
+        vocab_size: the data module's vocabulary (the embedding and head size).
+        model_cfg: the typed model config `train()` resolved once; None: resolved here from cfg["model"]
+            (e.g. by load_from_checkpoint).
+    Batches: x, y (B, T) int64 token ids (y is x shifted by one), optional loss_mask (B, T) bool; packed
+    batches carry their `Documents`. Refused (ConfigError, one line naming the field): a model section
+    `resolve_model` rejects, a context-parallel layout the layers cannot run.
     """
 
     def __init__(self, cfg: dict, vocab_size: int, model_cfg: Any = None):

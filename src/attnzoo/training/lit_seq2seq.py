@@ -46,7 +46,14 @@ def exact_match(pred: torch.Tensor, tgt_out: torch.Tensor, tgt_mask: torch.Tenso
 
 
 class LitSeq2Seq(_Base):
-    """Batches (src, tgt_in, tgt_out, src_mask, tgt_mask) from data/seq2seq.py."""
+    """An encoder-decoder (models/encoder_decoder.py) trained with teacher forcing and label smoothing.
+
+    Args: `cfg`, the whole resolved run config (dict or DictConfig, saved as hyper-parameters); `vocab_size`,
+    the task's (shared source / target) vocabulary; `pad_id`, `bos_id`, `eos_id`, the task's special ids;
+    `model_cfg`, the typed model config (None: from cfg["model"]).
+    Batches: (src (B, S), tgt_in (B, T), tgt_out (B, T), src_mask (B, S), tgt_mask (B, T)) from data/seq2seq.py;
+    masks are True on real tokens. Validation adds greedy-decoding exact match.
+    """
 
     def __init__(self, cfg: dict, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, model_cfg=None):
         super().__init__()
@@ -95,7 +102,11 @@ class LitMLM(_Base):
     """Masked LM on the text datamodule's blocks (x, y[, mask]): x is masked here, y is ignored.
 
     The model's vocabulary is the tokenizer's plus one `[MASK]` id (= the tokenizer's vocab_size), so any
-    text tokenizer works without a reserved mask token; random replacements come from the real tokens."""
+    text tokenizer works without a reserved mask token; random replacements come from the real tokens.
+
+    Args: `cfg`, the whole resolved run config (its `model.encdec` sets the masking rates); `vocab_size`, the
+    text tokenizer's vocabulary (the model gets vocab_size + 1); `model_cfg`, the typed model config (None:
+    from cfg["model"])."""
 
     def __init__(self, cfg: dict, vocab_size: int, model_cfg=None):
         super().__init__()

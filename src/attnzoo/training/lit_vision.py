@@ -28,7 +28,12 @@ def _plain(cfg) -> dict:
 
 
 class LitImageClassifier(TrainingModule):
-    """Batches (images (B, C, S, S), labels (B,))."""
+    """An image classifier (ViT or Swin encoder + head, models/vision) trained with cross-entropy.
+
+    Args: `cfg`, the whole resolved run config (dict or DictConfig, saved as hyper-parameters); `vocab_size`,
+    the number of classes; `image_size` S and `channels` C, the data module's images; `model_cfg`, the typed
+    model config (None: from cfg["model"]). Batches: (images (B, C, S, S) float, labels (B,) int64).
+    """
 
     def __init__(self, cfg: dict, vocab_size: int, image_size: int, channels: int, model_cfg=None):
         super().__init__()
@@ -68,7 +73,13 @@ class LitImageClassifier(TrainingModule):
 
 
 class LitVLM(TrainingModule):
-    """Batches (x (B, T), y (B, T), answer_mask (B, T), images (B, 3, S, S)) from data=shapes (vqa / caption)."""
+    """A vision-language model (image encoder + connector + DecoderLM, models/vision/vlm.py): next-token loss
+    on the answer tokens only.
+
+    Args: `cfg`, the whole resolved run config; `vocab_size`, the text vocabulary; `image_size` S and
+    `channels`, the data module's images; `model_cfg`, the typed model config (None: from cfg["model"]).
+    Batches: (x (B, T), y (B, T), answer_mask (B, T), images (B, 3, S, S)) from data=shapes (vqa / caption).
+    """
 
     def __init__(self, cfg: dict, vocab_size: int, image_size: int, channels: int, model_cfg=None):
         super().__init__()
