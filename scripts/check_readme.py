@@ -88,7 +88,7 @@ def config_check(args: list[str], env: dict) -> subprocess.CompletedProcess:
     configs, one at a time, so Hydra's global state is never shared between threads."""
     args = [a for a in first_values(args) if a not in ("-m", "--multirun") and not a.startswith("hydra")]
     from attnzoo.api import load_config
-    from attnzoo.training.run import check_group_overrides
+    from attnzoo.cli.train import check_group_overrides
     from attnzoo.training.config_checks import validate
 
     try:
@@ -110,7 +110,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
     if argv[:3] == ["python", "-m", "pytest"]:
         return "skipped: the test suite itself (it runs this check)", None
     if argv[0] in ("torchrun", "srun"):
-        i = next(j for j, a in enumerate(argv) if a.endswith("attnzoo-train") or a == "attnzoo.training.run")
+        i = next(j for j, a in enumerate(argv) if a.endswith("attnzoo-train") or a == "attnzoo.cli.train")
         return "config checked (multi-node launcher)", config_check(argv[i + 1:], env)
     tool, args = argv[0], argv[1:]
     if tool == "attnzoo-train":
@@ -121,7 +121,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         if not multirun and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args):
             sweep_dirs["<run>"] = tmp / f"train{n}"  # a decoder LM on text: what attnzoo-generate / -eval use
         stages = ["linearize.stage1_steps=1", "linearize.stage2_steps=1"] if "experiment=linearize" in args else []
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.training.run", *args, *SMOKE, *stages, where],
+        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *args, *SMOKE, *stages, where],
                                      env=env, capture_output=True, text=True, timeout=600)
     if tool == "attnzoo-sweep":
         name, rest = args[0], args[1:]

@@ -40,7 +40,7 @@ FEATURES = {
 
 
 def run_cli(args, env, **kw):
-    return subprocess.Popen([sys.executable, "-m", "attnzoo.training.run", *args], env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "attnzoo.cli.train", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
 
 
@@ -70,7 +70,7 @@ def trial(feature: list, work: Path, ref: tuple, env: dict, rng: random.Random) 
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     killed_at = ckpt_step(run / "checkpoints" / "last.ckpt")
-    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "--resume", str(run)], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=env, capture_output=True,
                        text=True, timeout=600)
     if r.returncode != 0:
         return {"ok": False, "killed_at": killed_at, "why": (r.stdout + r.stderr).strip().splitlines()[-40:]}
@@ -101,7 +101,7 @@ def main() -> None:
             work = Path(tmp) / name.split()[0]
             cache = [f"paths.cache_dir={Path(tmp) / 'cache'}"]
             ref_dir = work / "ref"
-            r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *feature, *SMOKE, *cache, f"hydra.run.dir={ref_dir}"],
+            r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *feature, *SMOKE, *cache, f"hydra.run.dir={ref_dir}"],
                                env=env, capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 raise SystemExit(f"{name}: the reference run failed:\n{r.stderr[-3000:]}")

@@ -7,7 +7,8 @@ import torch
 from attnzoo.config.schema import ConfigError
 from attnzoo.config.paths import CONF_DIR
 from attnzoo.config.registry import FFNS, MIXERS
-from attnzoo.training.run import check_group_overrides, train
+from attnzoo.cli.train import check_group_overrides
+from attnzoo.training.run import train
 from tests.conftest import compose_cfg
 
 FAST = ["debug=smoke", "data.max_chars=300000", "data.tokenizer=char"]
@@ -308,7 +309,7 @@ def test_misspelt_key_without_plus_is_one_line_from_the_cli(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "model.n_head=4", f"hydra.run.dir={tmp_path}/r"],
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "model.n_head=4", f"hydra.run.dir={tmp_path}/r"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -378,7 +379,7 @@ def test_optuna_zero_trials_is_refused_from_the_cli(tmp_path):
     import sys
 
     d = tmp_path / "optuna"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
                         "hydra.sweeper.n_trials=0", f"hydra.sweep.dir={d}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == ["attnzoo: error: hydra.sweeper.n_trials: 0; allowed: an integer >= 1 (trials in the study)"]
@@ -388,7 +389,7 @@ def test_optuna_zero_trials_is_refused_from_the_cli(tmp_path):
 def test_every_sweep_passes_the_unknown_key_check():
     """No false refusals: each named sweep's own command line (its grid keys given again included) composes."""
     from attnzoo.cli.sweep import available, hydra_argv
-    from attnzoo.training.run import check_unknown_keys
+    from attnzoo.cli.train import check_unknown_keys
 
     for name in available():
         assert check_unknown_keys(hydra_argv(name, ["debug=smoke", "optim.lr=1e-3,3e-3"])) is None, name

@@ -122,7 +122,7 @@ def test_resolve_model_accepts_plain_dicts():
 
 def run_cli(*args, tmp_path):
     return subprocess.run(
-        [sys.executable, "-m", "attnzoo.training.run", *args, f"hydra.run.dir={tmp_path}/cli"],
+        [sys.executable, "-m", "attnzoo.cli.train", *args, f"hydra.run.dir={tmp_path}/cli"],
         capture_output=True, text=True, timeout=120,
     )
 
@@ -186,7 +186,7 @@ def test_a_field_the_mixer_ignores_is_not_refused(mixer):
 @pytest.mark.parametrize("mixer,kv", [("mha", 4), ("mqa", 1), ("gqa", 2)])
 def test_summary_names_the_kv_heads_each_layer_really_has(mixer, kv):
     from attnzoo.models.decoder import DecoderLM
-    from attnzoo.training.run import describe_model, kv_heads_of
+    from attnzoo.training.summary import describe_model, kv_heads_of
 
     m = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}}, vocab_size=16)
     assert kv_heads_of(m) == kv and f"heads=4/{kv}kv" in describe_model(m)

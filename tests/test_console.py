@@ -12,7 +12,8 @@ import pytest
 
 from attnzoo.training.console import ConsoleLog, remove_new_run_dir
 from attnzoo.training.csv_logger import run_hparams
-from attnzoo.training.run import describe_model, short_override
+from attnzoo.training.summary import describe_model
+from attnzoo.training.trainer import short_override
 from tests.conftest import SESSION_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_refused_run_dir_and_its_empty_parents_are_removed(tmp_path, monkeypatch
 
 
 def _cli(args, cwd):
-    return subprocess.run([sys.executable, "-m", "attnzoo.training.run", *args], cwd=cwd, env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *args], cwd=cwd, env=ENV, capture_output=True,
                           text=True, timeout=600)
 
 

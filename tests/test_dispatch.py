@@ -386,7 +386,8 @@ def test_delta_rule_torch_path_trains_under_bf16_autocast(mixer):
 
 
 def test_summary_json_records_the_kernels(tmp_path):
-    from attnzoo.training.run import format_summary, train
+    from attnzoo.training.run import train
+    from attnzoo.training.summary import format_summary
 
     out = tmp_path / "run"
     train(compose_cfg(["experiment=mqar", "debug=smoke", "trainer.max_steps=2", "trainer.val_check_interval=2",

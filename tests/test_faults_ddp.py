@@ -30,7 +30,7 @@ def losses(run_dir: Path) -> dict:
 
 
 def cli(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "attnzoo.training.run", *args], env=ENV, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "attnzoo.cli.train", *args], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -84,7 +84,7 @@ def test_ddp_cpu_two_processes(tmp_path):
 def test_multirun_ddp_jobs_are_isolated(tmp_path):
     """3 jobs with trainer=ddp_cpu, the first one invalid: the others train, exactly 3 job dirs."""
     sweep = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
                         "trainer.val_check_interval=2", "model.n_kv_heads=3,2,1", f"hydra.sweep.dir={sweep}"],
                        env=ENV, capture_output=True, text=True, timeout=600)
     # the sweep runs every job, then exits non-zero because one failed

@@ -351,7 +351,8 @@ def test_init_from_trains_from_the_imported_weights_then_exports(tmp_path):
     import lightning as L
     import torch.nn.functional as F
 
-    from attnzoo.training.run import build_module, prepare_data, train
+    from attnzoo.training.build import build_module, prepare_data
+    from attnzoo.training.run import train
     from attnzoo.training.config_checks import validate
 
     ref = HF_CASES["llama-gqa"]().eval()

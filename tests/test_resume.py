@@ -12,7 +12,8 @@ import torch
 
 from attnzoo.config.schema import ConfigError
 from attnzoo.training.rundir import LOCK_NAME, run_dir_lock
-from attnzoo.training.run import resume_argv, train
+from attnzoo.cli.train import resume_argv
+from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
 # constant LR after warmup: a run stopped at step 4 and resumed to 8 follows the same schedule as one run to 8
@@ -199,10 +200,10 @@ def test_resume_hint_printed_after_a_run_works_when_pasted(tmp_path):
     run = tmp_path / "r"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "model.d_model=48", "model.n_heads=4",
+    first = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "model.d_model=48", "model.n_heads=4",
                             "trainer.max_steps=4", *common], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "--resume", str(run), "trainer.max_steps=8"],
+    second = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run), "trainer.max_steps=8"],
                             env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert sorted(train_losses(run)) == list(range(8))
@@ -232,16 +233,16 @@ def test_refused_run_keeps_the_run_dirs_hydra_record(tmp_path):
     run = tmp_path / "r"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=4", *common], env=env,
+    first = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=4", *common], env=env,
                            capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-2000:]
     record = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
     assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"} and b"trainer.max_steps=4" in record["overrides.yaml"]
-    refused = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=8", "model/mixer=mla",
+    refused = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=8", "model/mixer=mla",
                               "ckpt_path=last", *common], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "another model/data config" in refused.stderr
     assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == record
-    accepted = subprocess.run([sys.executable, "-m", "attnzoo.training.run", *BASE, "trainer.max_steps=8", "ckpt_path=last",
+    accepted = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=8", "ckpt_path=last",
                                *common], env=env, capture_output=True, text=True)
     assert accepted.returncode == 0, accepted.stderr[-2000:]
     assert b"trainer.max_steps=8" in (run / ".hydra" / "overrides.yaml").read_bytes()  # the accepted run's record
@@ -303,12 +304,12 @@ def test_resume_continues_the_tensorboard_folder_and_the_wandb_run(tmp_path, mon
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run = tmp_path / "r"
     loggers = ["logger=[csv,tensorboard,wandb]", "trainer.log_every_n_steps=1"]
-    import attnzoo.training.run as train_mod
+    import attnzoo.training.trainer as trainer_mod
 
     # under Hydra the folder is named from the overrides, which the resume changes (a larger max_steps)
-    monkeypatch.setattr(train_mod, "run_label", lambda: "max_steps=4")
+    monkeypatch.setattr(trainer_mod, "run_label", lambda: "max_steps=4")
     train(compose_cfg(BASE + loggers + ["trainer.max_steps=4"], run))
-    monkeypatch.setattr(train_mod, "run_label", lambda: "max_steps=8")
+    monkeypatch.setattr(trainer_mod, "run_label", lambda: "max_steps=8")
     first_id = (run / "wandb_run_id").read_text()
     capfd.readouterr()
     train(compose_cfg(BASE + loggers + ["trainer.max_steps=8", "ckpt_path=last"], run))

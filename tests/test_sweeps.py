@@ -276,7 +276,7 @@ def test_optuna_hparams_search_smoke(tmp_path):
     import yaml
 
     d = tmp_path / "optuna"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.training.run", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
                         "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
                         f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
                        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})

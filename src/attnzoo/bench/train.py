@@ -76,19 +76,19 @@ def compose(overrides: list[str]):
 @contextlib.contextmanager
 def throughput_window(steps: int):
     """train() builds ThroughputMonitor with its default 10-step window; time the last `steps` instead."""
-    from attnzoo.training import callbacks
+    from attnzoo.training import trainer
 
-    original = callbacks.ThroughputMonitor
+    original = trainer.ThroughputMonitor
 
     class Windowed(original):
         def __init__(self, *a, **kw):
             super().__init__(*a, **{**kw, "window": steps})
 
-    callbacks.ThroughputMonitor = Windowed
+    trainer.ThroughputMonitor = Windowed  # where build_trainer looks it up
     try:
         yield
     finally:
-        callbacks.ThroughputMonitor = original
+        trainer.ThroughputMonitor = original
 
 
 @contextlib.contextmanager

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from hydra.core.global_hydra import GlobalHydra
 
-    from attnzoo.training import run as train
+    from attnzoo.cli import train
 
     GlobalHydra.instance().clear()  # a previous in-process compose/run would block hydra.main
     # the parallel launcher's worker processes read this when they import torch: half the cores each

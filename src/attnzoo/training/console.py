@@ -70,8 +70,7 @@ class RunProgressBar(TQDMProgressBar):
 class RunHeader(L.Callback):
     """Prints, once at the start of training (rank 0), what is being trained:
     `attnzoo: training gqa x4 d_model=128 heads=4/2kv ... | params 1,000,576 (active 1,000,576) | 6.2 MFLOPs/token`.
-    `describe(model) -> str` is the run summary's model line (attnzoo.training.run.describe_model: passed in, as this
-    layer sits below train)."""
+    `describe(model) -> str` is the run summary's model line (attnzoo.training.summary.describe_model, passed in)."""
 
     def __init__(self, describe) -> None:
         self.describe = describe

@@ -1,0 +1,230 @@
+"""`attnzoo-train` (= `python -m attnzoo.cli.train`): the Hydra app over conf/train.yaml around
+`attnzoo.training.run.train`.
+
+Before Hydra sees the command line: `--resume RUN_DIR` is expanded into that run's own overrides, and an
+unknown config-group option or key is refused in one line (Hydra's own report takes several). Under `-m`
+(multirun) a failing job is recorded in its own directory and the sweep goes on; a sweep rerun into the same
+sweep dir skips its finished jobs and resumes the interrupted ones.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Transformer
+from hydra.errors import ConfigCompositionException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.paths import CONF_DIR, sweeps_dir
+from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
+from attnzoo.training.run import train
+
+
+def main() -> None:
+    """The console script: `attnzoo-train [--resume RUN_DIR] [overrides...] [-m]`.
+
+    A refused command line or config prints `attnzoo: error: <one line>` on stderr and exits 2, leaving no
+    run dir behind that Hydra made for it; a run stopped by SIGTERM exits 0 (resume it with --resume). Under
+    `-m` the value a sweeper optimises is the job's `optimized_metric` (default val/loss), NaN for a failed job."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    try:
+        sys.argv[1:] = resume_argv(sys.argv[1:])
+    except ConfigError as e:
+        print(f"attnzoo: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    problem = check_group_overrides(sys.argv[1:]) or check_unknown_keys(sys.argv[1:])
+    if problem:
+        print(f"attnzoo: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
+
+
+def _run_job(cfg: DictConfig) -> float | None:
+    """One Hydra job: train(cfg), with the CLI's refusals and the multirun rules above."""
+    try:
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        multirun = False
+    target = cfg.get("optimized_metric") or "val/loss"
+    if multirun:
+        # a sweep rerun into the same sweep dir: finished jobs are skipped, interrupted ones resume
+        out = Path(cfg.paths.output_dir)
+        if _previous_status(out) == "ok":
+            print(f"attnzoo: {out} finished earlier; skipped", flush=True)
+            return json.loads((out / "summary.json").read_text())["metrics"].get(target)
+        if cfg.get("ckpt_path") is None and (out / "checkpoints" / "last.ckpt").is_file():
+            with open_dict(cfg):
+                cfg.ckpt_path = "last"
+            print(f"attnzoo: resuming {out} from its last.ckpt", flush=True)
+    out = Path(cfg.paths.output_dir)
+    new_dir = not multirun and is_new_run_dir(out)  # Hydra made it for this run: a refusal leaves nothing
+    if (out / ".hydra").exists():  # an earlier run's dir: its record is rewritten only once this run is accepted
+        on_accept = lambda: save_hydra_record(cfg, out)  # noqa: E731
+    else:  # a new dir: recorded now, so a job refused in a sweep still shows its overrides in the report
+        save_hydra_record(cfg, out)
+        on_accept = None
+    try:
+        metrics = train(cfg, on_accept=on_accept)
+    except (ConfigError, FileNotFoundError) as e:
+        if not multirun:
+            if new_dir:
+                remove_new_run_dir(out)
+            print(f"attnzoo: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        _record_failure(cfg, e)
+        return float("nan")  # a failed trial to a sweeper that optimizes (Optuna), ignored by the others
+    except Exception as e:  # noqa: BLE001 - a failing sweep job must not take the others with it
+        if not multirun:
+            raise
+        _record_failure(cfg, e)
+        return float("nan")  # a failed trial to a sweeper that optimizes (Optuna), ignored by the others
+    if metrics.get("status") == "preempted":
+        # SIGTERM ends the process, not just this job: a local sweep stops, a requeued job resumes
+        sys.exit(0)
+    return metrics.get(target)
+
+
+def _previous_status(out: Path) -> str | None:
+    try:
+        return json.loads((out / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_hydra_record(cfg: DictConfig, out: Path) -> None:
+    """What Hydra writes to <run dir>/.hydra (config.yaml, hydra.yaml, overrides.yaml), written by us
+    (conf/hydra/default.yaml sets output_subdir: null) so that a refused run cannot overwrite the
+    record of the run that owns the directory (issue 12: the report then listed the refused overrides)."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # not under Hydra (tests call train() directly)
+        return
+    d = out / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hc}), d / "hydra.yaml")
+    OmegaConf.save(hc.overrides.task, d / "overrides.yaml")
+
+
+def _record_failure(cfg: DictConfig, err: BaseException) -> None:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "error.txt").write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    (out / "summary.json").write_text(json.dumps({"status": "failed", "error": f"{type(err).__name__}: {err}",
+                                                 "output_dir": str(out)}, indent=2))
+    print(f"attnzoo: job failed ({type(err).__name__}: {err}); recorded in {out}/error.txt", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------ the command line, before Hydra
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """`--resume RUN_DIR [overrides...]` -> the run's own overrides (from RUN_DIR/.hydra/overrides.yaml),
+    then the given ones, then `hydra.run.dir=RUN_DIR ckpt_path=last`. Other argv pass through unchanged."""
+    if "--resume" not in argv:
+        return argv
+    i = argv.index("--resume")
+    if i + 1 >= len(argv):
+        raise ConfigError("needs the run directory: attnzoo-train --resume RUN_DIR [overrides...]", field="--resume")
+    run_dir = Path(argv[i + 1]).expanduser().resolve()
+    saved = run_dir / ".hydra" / "overrides.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no .hydra/overrides.yaml)", field="--resume")
+    if not (run_dir / "checkpoints" / "last.ckpt").is_file():
+        raise ConfigError(f"{run_dir} has no checkpoints/last.ckpt to resume from", field="--resume")
+    own = [o for o in (OmegaConf.load(saved) or []) if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
+    if any(str(o).startswith("+sweeps=") for o in own):  # a sweep job: its sweep file must be found again
+        own.insert(0, f"hydra.searchpath=[file://{sweeps_dir().parent}]")
+    rest = argv[:i] + argv[i + 2:]
+    return [*map(str, own), *rest, f"hydra.run.dir={run_dir}", "ckpt_path=last"]
+
+
+def check_group_overrides(args: list[str]) -> str | None:
+    """One-line error for `group=option` overrides naming an option that does not exist (before Hydra's
+    multi-line report). Handles `a,b` multirun lists; leaves sweep functions and `+`/`~` forms to Hydra."""
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "+", "~", "hydra")):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.removeprefix("override ").strip()
+        group_dir = CONF_DIR / key
+        if not group_dir.is_dir() or "(" in value:
+            continue
+        allowed = sorted(p.stem for p in group_dir.glob("*.yaml"))
+        # `logger=[csv,tensorboard]`: several options of one group at once (Hydra's list syntax)
+        for option in value.strip().removeprefix("[").removesuffix("]").split(","):
+            option = option.strip()
+            if option and option != "null" and option not in allowed:
+                return f"{key}: unknown option {option!r}; allowed: {', '.join(allowed)}"
+    return None
+
+
+def first_job_override(arg: str) -> str | None:
+    """`key=a,b`, `key=range(1,5)`, `key=tag(log, interval(1e-4, 3e-2))` -> `key=<its first value>`: one
+    job's form of a sweep override, so a multirun's keys can be checked by composing one job. Other
+    overrides unchanged; None when Hydra cannot parse or enumerate it (`glob(*)`): Hydra reports it."""
+    try:
+        o = OverridesParser.create().parse_override(arg)
+        if not o.is_sweep_override():
+            return arg
+        first = o.value().start if o.is_interval_sweep() else next(iter(o.sweep_iterator(Transformer.encode)))
+    except Exception:  # noqa: BLE001 - any parse problem: Hydra's own report
+        return None
+    return f"{arg.split('=', 1)[0]}={first}"
+
+
+def check_unknown_keys(args: list[str]) -> str | None:
+    """One-line error for `a.b=value` naming a key the composed config does not have (`model.n_head=4`:
+    Hydra reports it in five lines; here `model.n_head: unknown key; did you mean model.n_heads? ...`).
+    A multirun (`-m`, attnzoo-sweep's `hydra.searchpath` + `+sweeps=NAME`, Optuna's search ranges) is
+    checked as its first job would be composed. Any other composition problem is left to Hydra's report."""
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in args):
+        return None  # --help, --cfg, shell completion (-sc install=bash): Hydra's own business
+    overrides = [a for a in args if "=" in a and (a.startswith("hydra.searchpath=")  # attnzoo-sweep's sweeps/
+                                                  or not a.startswith(("-", "hydra.", "hydra/")))]
+    one_job = {a: first_job_override(a) for a in overrides}  # each override as the first job sees it
+    if None in one_job.values():
+        return None
+
+    def composed(ov):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                return compose(config_name="train", overrides=[one_job[a] for a in ov])
+        finally:
+            GlobalHydra.instance().clear()
+
+    try:
+        composed(overrides)
+        return None
+    except ConfigCompositionException as e:
+        bad = next((a for a in overrides if f"'{a.split('=', 1)[0]}'" in str(e)), None)
+        if bad is None or bad.startswith(("+", "~", "hydra.")) or "/" in bad.split("=", 1)[0]:
+            return None
+    except Exception:  # noqa: BLE001 - anything else: Hydra reports it as usual
+        return None
+    key = bad.split("=", 1)[0]
+    parent, _, leaf = key.rpartition(".")
+    try:
+        node = composed([a for a in overrides if a != bad])
+        node = OmegaConf.select(node, parent) if parent else node
+    except Exception:  # noqa: BLE001
+        return None
+    keys = list(node.keys()) if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+    return f"{key}: unknown key; {hint}allowed keys: {', '.join(map(str, keys))} (add a new key with +{bad})"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The parts of one run, built from its validated config: the checkpoint it resumes from, the data module and
+matched budget, the LightningModule of its model family, and the run's length in steps."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.schema import resolve_model
+from attnzoo.config.stops import run_length, tokens_per_step
+from attnzoo.data import build_datamodule
+from attnzoo.interop.hf import init_weights_from
+from attnzoo.models.flops import train_flops_per_token
+from attnzoo.ops.dispatch import check_request
+from attnzoo.training.budget import apply_budget
+from attnzoo.training.checkpoint_io import check_checkpoint
+from attnzoo.training.families import family_of
+from attnzoo.training.launch import requested_devices
+
+
+def run_device_type(trainer_cfg) -> str:
+    """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
+    acc = str(trainer_cfg.accelerator)
+    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_kernels_present(model_cfg, trainer_cfg) -> None:
+    """An explicit model.impl=fla|flex that cannot run on the run's device: one line, before any work."""
+    check_request(getattr(model_cfg, "impl", "auto"), run_device_type(trainer_cfg))
+
+
+def resolve_ckpt(ckpt_path: str | None, out: Path) -> tuple[str | None, dict | None]:
+    """`last` -> <out>/checkpoints/last.ckpt; check the file is a complete, loadable checkpoint.
+    Returns (path, checkpoint) — the checkpoint memory-mapped — or (None, None)."""
+    if ckpt_path is None:
+        return None, None
+    if ckpt_path == "last":
+        p = out / "checkpoints" / "last.ckpt"
+        if not p.exists():
+            raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
+    else:
+        p = Path(ckpt_path).expanduser()
+    return str(p), check_checkpoint(p)
+
+
+def prepare_data(parts: dict, container: dict):
+    """The data module (tokenizer trained and cached once, before any worker starts) and the matched
+    parameter budget, which may set a width in container["model"] (in place)."""
+    run = parts["run"]
+    dm = build_datamodule(parts["data"], cache_dir=run.paths.cache_dir, seed=run.seed)
+    dm.setup("fit")
+    return dm, apply_budget(container, dm.vocab_size)
+
+
+def build_module(container: dict, dm, run):
+    """(family, LightningModule). The model config is resolved once, after its last change (the budget's
+    width), and every part of the run reads that one object."""
+    family = family_of(container["model"])
+    lit = family.build_lit(container, resolve_model(container["model"], vocab_size=dm.vocab_size), dm)
+    if container["model"].get("init_from"):  # the imported weights (a resume has the model's own in its checkpoint)
+        lit.load_pretrained(lambda module: init_weights_from(module, container["model"]),
+                            resuming=run.ckpt_path is not None)
+    if run.compile:
+        lit.compile_model()
+    return family, lit
+
+
+def resolve_run_length(run, data_cfg, lit, family, container: dict):
+    """trainer.max_steps / max_tokens / max_flops -> the run's steps (attnzoo/config/stops.py), written where the
+    Trainer, the learning-rate schedule and the saved config read them. None for families other than the
+    decoder LM (their length is max_steps; no token or FLOP budget)."""
+    t = run.trainer
+    if family.name != "decoder":
+        return None
+    data_parallel = max(1, requested_devices(t) * t.num_nodes // t.context_parallel)
+    length = run_length(t.max_steps, t.max_tokens, t.max_flops,
+                        tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel),
+                        train_flops_per_token(lit.model, data_cfg.seq_len))
+    if length.limit != "trainer.max_steps" or t.max_steps is None:
+        t.max_steps = container["trainer"]["max_steps"] = lit.max_steps = length.steps
+        print(f"attnzoo: {length.limit}={getattr(t, length.limit.split('.')[1]):.4g} -> {length.steps} steps of "
+              f"{length.tokens_per_step:,} tokens ({length.flops_per_step:.3g} FLOPs) each", flush=True)
+    return length

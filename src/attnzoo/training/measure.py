@@ -1,0 +1,84 @@
+"""What a run measures once training is over: a validation of the final weights, throughput, parameters, the
+KV cache (analytic bytes, and the bytes a real prefill holds), the decode rate, and on request the quality of a
+quantized cache and the loss at other context lengths (analysis/extrapolation.py)."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths
+from attnzoo.mixers.kv_quant import KVFormat
+from attnzoo.models.flops import precision_dtype
+from attnzoo.training.callbacks import RunCheckpoint
+
+
+@torch.no_grad()
+def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32,
+                      kv_format=None) -> dict:
+    """Prefill `context_len` random tokens (batch 1) into a fresh cache (keys/values in `kv_format`, see
+    DecoderLM.new_cache), then decode `decode_tokens` more.
+
+    Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill) and the decode rate."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab_size, (1, context_len), generator=g).to(device)
+    cache = model.new_cache(1, context_len + decode_tokens + 1, dtype, device, kv_format=kv_format)
+    logits = model(prompt, cache=cache)
+    at_ctx = cache.nbytes()
+    nxt = logits[:, -1:].argmax(-1)
+    nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)  # warm-up step, not timed
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    model.train(was_training)
+    return {"cache/bytes_at_ctx": float(at_ctx), "perf/decode_tokens_per_sec": decode_tokens / dt}
+
+
+def inference_kv(run) -> dict:
+    """`kv_format=` for the model's caches at inference (inference.kv_cache_dtype), {} for fp32 (the plain
+    cache; other formats are for decoder LMs only, checked by validate)."""
+    fmt = KVFormat.of(run.inference)
+    return {} if fmt.dtype == "fp32" else {"kv_format": fmt}
+
+
+def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, family) -> dict:
+    """Metrics at the end of a run: the last logged values, a validation of the final weights (the last
+    scheduled one may be steps earlier), throughput, budget, parameters, cache bytes and inference timing."""
+    run, data_cfg = parts["run"], parts["data"]
+    model = lit.model
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+    final = trainer.validate(lit, datamodule=dm, verbose=False)[0] if trainer.limit_val_batches else {}
+    if final:  # best.ckpt: the final weights too, when their validation is the best of the run
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, RunCheckpoint):
+                cb.consider_final_validation(trainer)
+    infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
+    metrics.update({k: float(v) for k, v in final.items()})
+    metrics.update(throughput.last)
+    metrics.update({k: float(v) for k, v in budget.items() if isinstance(v, (int, float))})
+    metrics["params/total"] = float(model.num_params())
+    metrics["params/active"] = float(model.active_params())
+    kv = inference_kv(run)
+    metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype, **kv) / data_cfg.seq_len
+    if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:
+        metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype,
+                                         **kv))
+    if kv and trainer.is_global_zero:  # the quality cost: validation through that cache vs the full forward
+        # the final validation's batches (rank 0's shard under DDP), so val/loss_kvq compares with val/loss
+        n = (trainer.num_val_batches or [math.inf])[0] if final else math.inf
+        n = int(n) if math.isfinite(n) else run.eval.max_batches
+        metrics.update(evaluate_kv_format(lit, dm.val_dataloader(), kv["kv_format"], n))
+    if run.eval.context_lengths and trainer.is_global_zero and family.decoder_only:
+        metrics.update(evaluate_lengths(lit, dm, data_cfg, run.eval.context_lengths, run.eval.max_batches))
+        if run.perf.measure_decode:  # the cache really held after L tokens, and the decode rate there
+            for L in run.eval.context_lengths:
+                at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype)
+                metrics.update({f"{k}@{L}": v for k, v in at.items()})
+    return metrics
