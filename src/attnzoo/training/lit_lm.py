@@ -121,7 +121,7 @@ class TrainingModule(L.LightningModule):
         self.optim_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimConfig), cfg.get("optim", {})))
         sched = cfg.get("scheduler") or default_scheduler or {}
         self.sched_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SchedulerConfig), sched))
-        # null with a token / FLOP budget: train.resolve_run_length sets the steps once the model is built
+        # null with a token / FLOP budget: training/build.resolve_run_length sets the steps once the model is built
         self.max_steps = int(cfg.get("trainer", {}).get("max_steps") or 1000)
         self.on_nonfinite = cfg.get("on_nonfinite", "stop")
         self.skipped_steps = 0
