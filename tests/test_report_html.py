@@ -1,122 +1,315 @@
-"""report.html's tables sort on a header click, every table (issue 30: a click in any table after the first
-threw a TypeError, the column index counted every <th> of the page)."""
+"""report.html draws its charts and tables with Plotly (issue 31; before it, hand-written SVG and a sort script
+that failed on every table after the first, issue 30): the page holds each chart's Plotly specification
+(data traces + layout) beside its PNG, every table as Plotly tables whose own menus sort and filter every
+job's row, plotly.js once (offline). What a reader sees, in the PNG and the page alike: error bars where seeds
+were swept, no chart of a degenerate column, the legend titled by the swept key, one y axis per chart,
+whole-number step axes and round y ticks. No training: the sweeps are fabricated job directories."""
 import json
+import math
+import re
 import shutil
+import statistics
 import subprocess
-from html.parser import HTMLParser
+import sys
 
 import pytest
+from plotly.offline import get_plotlyjs
 
-from attnzoo.analysis.report import _JS, build_report
-
-# a stand-in for the browser DOM, just what report.html's script touches: querySelectorAll('th' | 'input.filter'
-# | ...), closest, querySelector('tbody'), rows, children, cellIndex, dataset, textContent, appendChild
-DOM_STUB = r"""
-class El {
-  constructor(tag, parent) { this.tag = tag; this.parent = null; this.children = []; this.dataset = {};
-    this.textContent = ''; this.style = {}; this.listeners = {}; if (parent) parent.appendChild(this); }
-  appendChild(c) { if (c.parent) c.parent.children.splice(c.parent.children.indexOf(c), 1);
-    c.parent = this; this.children.push(c); return c; }
-  addEventListener(type, f) { this.listeners[type] = f; }
-  closest(tag) { let e = this; while (e && e.tag !== tag) e = e.parent; return e; }
-  querySelector(tag) { return this.children.find(c => c.tag === tag) || null; }
-  get rows() { return this.children.filter(c => c.tag === 'tr'); }
-  get cellIndex() { return this.parent.children.indexOf(this); }
-}
-const tables = JSON.parse(require('fs').readFileSync(0, 'utf8'));
-const ths = [];
-const built = tables.map(t => {
-  const table = new El('table'), head = new El('tr', new El('thead', table)), body = new El('tbody', table);
-  t.head.forEach(h => { const th = new El('th', head); th.textContent = h; ths.push(th); });
-  t.rows.forEach(r => { const tr = new El('tr', body);
-    r.forEach(([text, v]) => { const td = new El('td', tr); td.textContent = text; if (v !== null) td.dataset.v = v; }); });
-  return body;
-});
-global.document = { querySelectorAll: sel => sel === 'th' ? ths : [] };
-eval(SCRIPT);
-// click every header of every table once (ascending); after each click, record that column top to bottom
-const out = tables.map((t, ti) => t.head.map((h, ci) => {
-  const th = ths.filter(x => x.closest('table') === built[ti].parent)[ci];
-  th.listeners.click();
-  return built[ti].rows.map(tr => { const td = tr.children[ci]; return td.dataset.v !== undefined ? Number(td.dataset.v) : td.textContent; });
-}));
-console.log(JSON.stringify(out));
-"""
+from attnzoo.analysis.report import build_report, main
+from attnzoo.analysis.report.charts import DENSE
+from attnzoo.analysis.report.plots import draw
+from scripts.screenshot_report import fake_sweep
 
 
-class Tables(HTMLParser):
-    """The <table>s of a page: head texts and, per row, (text, data-v or None) per cell."""
+def plotly_figures(page: str) -> dict[str, dict]:
+    """{div id: {'data': [...], 'layout': {...}}}: the arguments of every Plotly.newPlot call of the page."""
+    dec, figs = json.JSONDecoder(), {}
+    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', page):
+        data, end = dec.raw_decode(page, m.end())
+        rest = page[end:].lstrip()
+        assert rest.startswith(","), rest[:80]
+        layout, _ = dec.raw_decode(rest[1:].lstrip())
+        figs[m.group(1)] = {"data": data, "layout": layout}
+    return figs
 
-    def __init__(self):
-        super().__init__()
-        self.tables, self.cell = [], None
 
-    def handle_starttag(self, tag, attrs):
-        if tag == "table":
-            self.tables.append({"id": dict(attrs).get("id"), "head": [], "rows": []})
-        elif tag == "tr" and self.tables:
-            self.row = []
-        elif tag in ("th", "td") and self.tables:
-            self.cell = [tag, "", dict(attrs).get("data-v")]
+def write_job(job, overrides: list[str], metrics: dict | None, curve: list[tuple[int, float]] = (), **summary):
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    status = "ok" if metrics is not None else "failed"
+    (job / "summary.json").write_text(json.dumps({"status": status, "metrics": metrics or {}, **summary}))
+    if curve:
+        (job / "csv").mkdir()
+        (job / "csv" / "metrics.csv").write_text("step,val/loss\n" + "".join(f"{s},{v}\n" for s, v in curve))
 
-    def handle_data(self, data):
-        if self.cell is not None:
-            self.cell[1] += data
 
-    def handle_endtag(self, tag):
-        if tag in ("th", "td") and self.cell is not None:
-            kind, text, v = self.cell
-            (self.tables[-1]["head"].append(text) if kind == "th" else self.row.append((text, v)))
-            self.cell = None
-        elif tag == "tr" and self.tables and self.row:
-            self.tables[-1]["rows"].append(self.row)
-            self.row = []
+def built(d):
+    rep = build_report(d)
+    page = (d / "report.html").read_text()
+    return rep, page, plotly_figures(page)
 
 
 @pytest.fixture(scope="module")
-def report_html(tmp_path_factory):
-    """A sweep of 4 finished jobs (2 mixers x 2 learning rates) evaluated at two extra lengths: the report
-    then has three tables (best per variant, length extrapolation, all jobs)."""
+def lengths_sweep(tmp_path_factory):
+    """4 finished jobs (2 mixers x 2 learning rates) evaluated at two extra lengths: three tables (best per
+    variant, length extrapolation, all jobs), one seed."""
     d = tmp_path_factory.mktemp("report") / "sweep"
     losses = {("gqa", "1e-3"): 2.5, ("gqa", "3e-3"): 2.1, ("gated_deltanet", "1e-3"): 2.9, ("gated_deltanet", "3e-3"): 1.7}
     for n, ((mixer, lr), loss) in enumerate(losses.items()):
-        job = d / str(n)
-        (job / ".hydra").mkdir(parents=True)
-        (job / ".hydra" / "overrides.yaml").write_text(f"- model/mixer={mixer}\n- optim.lr={lr}\n")
         metrics = {"val/loss": loss, "val/loss@64": loss + 0.5 + n / 10, "val/loss@128": loss + 1 - n / 10,
                    "cache/bytes_per_token": 100.0 * (n + 1), "params/total": 1000.0 - n}
-        (job / "summary.json").write_text(json.dumps({"status": "ok", "metrics": metrics, "context_len": 32,
-                                                      "config": {"model": {"mixer": {"name": mixer}}}}))
-    build_report(d)
-    page = Tables()
-    page.feed((d / "report.html").read_text())
-    assert len(page.tables) == 3, [t["id"] for t in page.tables]
-    return page.tables
+        write_job(d / str(n), [f"model/mixer={mixer}", f"optim.lr={lr}"], metrics, context_len=32,
+                  config={"model": {"mixer": {"name": mixer}}})
+    return built(d)
 
 
-def test_every_header_addresses_a_column_of_its_own_table(report_html):
-    """Structural: every row of every table has a cell under each of its headers, and the script takes the
-    column from the clicked header's position in its own row (th.cellIndex), not from its index among all the
-    page's headers (which is past the end of every table after the first)."""
-    for t in report_html:
-        assert t["rows"] and all(len(r) == len(t["head"]) for r in t["rows"]), t["head"]
-    assert "th.cellIndex" in _JS and "forEach((th, i)" not in _JS
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """scripts/screenshot_report.py's demo: MQAR, 3 mixers x 2 learning rates x 2 seeds, one job failed."""
+    return built(fake_sweep(tmp_path_factory.mktemp("seeded") / "demo"))
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="the sort script is run in node where it is installed")
-def test_header_click_sorts_every_table(report_html):
-    """The page's real script, run in node on a DOM stub holding the report's real tables: a click on any
-    header of any table sorts that table by that column (numbers by value) and does not throw."""
-    script = DOM_STUB.replace("eval(SCRIPT);", f"eval({json.dumps(_JS)});")
-    r = subprocess.run(["node", "-e", script], input=json.dumps(report_html), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    columns = json.loads(r.stdout)
-    for t, cols in zip(report_html, columns):
-        assert len(cols) == len(t["head"])
-        for head, col in zip(t["head"], cols):
-            assert len(col) == len(t["rows"])
-            numbers = [v for v in col if isinstance(v, (int, float))]
-            if len(numbers) == len(col):
-                assert numbers == sorted(numbers), (t["id"], head, col)
-    # the sort moved rows in the tables after the first too: their numeric columns were not in order before
-    assert any(isinstance(v, (int, float)) for cols in columns[1:] for col in cols for v in col)
+def tables(figs: dict) -> dict[str, dict]:
+    return {k: f for k, f in figs.items() if k.startswith("table-")}
+
+
+def rows_of(trace: dict) -> list[tuple]:
+    return list(zip(*trace["cells"]["values"]))
+
+
+def test_every_table_is_a_plotly_table_with_every_jobs_row(lengths_sweep, seeded):
+    rep, page, figs = lengths_sweep
+    assert set(tables(figs)) == {"table-best", "table-lengths", "table-all"}
+    for name, n_rows in (("table-best", 2), ("table-lengths", 2), ("table-all", 4)):
+        data = figs[name]["data"]
+        assert data and all(t["type"] == "table" for t in data)
+        head = data[0]["header"]["values"]
+        assert data[0]["visible"] is True and len(data[0]["cells"]["values"]) == len(head)
+        assert all(len(col) == n_rows for col in data[0]["cells"]["values"]), name
+    all_jobs = figs["table-all"]["data"][0]
+    assert list(all_jobs["cells"]["values"][0]) == ["0", "1", "2", "3"]
+    assert "<b>val/loss@128</b>" in figs["table-lengths"]["data"][0]["header"]["values"]
+    # the seeded sweep: all 12 jobs, the failed one red; the best-of-lr rows show seeds and the spread
+    rep, page, figs = seeded
+    all_jobs = figs["table-all"]["data"][0]
+    assert sorted(all_jobs["cells"]["values"][0], key=int) == [j["job"] for j in rep["jobs"]] and len(rep["jobs"]) == 12
+    fills = all_jobs["cells"]["fill"]["color"][0]
+    assert [i for i, c in enumerate(fills) if c == "#fdd"] == [i for i, j in enumerate(rep["jobs"]) if j["status"] != "ok"] == [9]
+    assert {"<b>seeds</b>", "<b>val/acc std</b>"} <= set(figs["table-best"]["data"][0]["header"]["values"])
+    assert "class='failed'" in page and "nan at step 170" in page
+
+
+def _number(text: str):
+    return float(text.replace(",", "")) if re.fullmatch(r"-?[\d,]+(\.\d+)?(e-?\d+)?", text) else None
+
+
+def test_sort_menu_orders_every_column_of_every_view(lengths_sweep, seeded):
+    """Every 'sort by' entry restyles every view (trace) of its table: each view keeps its own rows, in the
+    order of that column (numbers by value, empty cells last)."""
+    for _, _, figs in (lengths_sweep, seeded):
+        for name, fig in tables(figs).items():
+            views, (sorts, shows) = fig["data"], fig["layout"]["updatemenus"]
+            head = [re.sub(r"</?b>", "", h) for h in views[0]["header"]["values"]]
+            assert len(shows["buttons"]) == len(views) and sorts["buttons"][0]["label"] == "as listed"
+            for button in sorts["buttons"][1:]:
+                update, traces = button["args"]
+                assert traces == list(range(len(views)))
+                col = head.index(button["label"][:-2])
+                for view, values in zip(views, update["cells.values"]):
+                    assert sorted(zip(*values)) == sorted(rows_of(view)), (name, button["label"])
+                    cells = [c for c in values[col] if c != ""]
+                    assert list(values[col][len(cells):]) == [""] * (len(values[col]) - len(cells))  # empty last
+                    numbers = [_number(c) for c in cells]
+                    if all(x is not None for x in numbers):
+                        assert numbers == sorted(numbers, reverse=button["label"].endswith("▼")), (name, button["label"])
+
+
+def test_show_menu_keeps_the_rows_of_one_swept_value(seeded):
+    rep, _, figs = seeded
+    fig = figs["table-all"]
+    views, shows = fig["data"], fig["layout"]["updatemenus"][1]["buttons"]
+    labels = [b["label"] for b in shows]
+    assert labels[0] == "all rows (12)" and "model/mixer=gqa (4)" in labels and "seed=2 (6)" in labels
+    assert "not ok (failed or incomplete) (1)" in labels
+    for i, b in enumerate(shows):
+        assert b["args"][0]["visible"] == [k == i for k in range(len(views))]
+        value, n = re.fullmatch(r"(.*) \((\d+)\)", b["label"]).groups()
+        rows = rows_of(views[i])
+        assert len(rows) == int(n)
+        if "=" in value:
+            assert all(value in r[1].split() for r in rows), value  # the overrides column
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="runs the page in headless chromium where installed")
+def test_sort_and_show_work_in_a_browser(seeded, tmp_path):
+    """plotly.js itself applies a 'sort by' entry then a 'show' entry (what a click on them runs): the shown
+    view is sorted, and the rendered cells read in that order."""
+    rep, page, _ = seeded
+    probe = """<script>(async () => {
+      const gd = document.getElementById('table-all'), [sorts, shows] = gd.layout.updatemenus;
+      const col = gd.data[0].header.values.indexOf('<b>val/acc</b>');
+      await Plotly.restyle(gd, ...sorts.buttons.find(b => b.label === 'val/acc ▼').args);
+      await Plotly.restyle(gd, ...shows.buttons.find(b => b.label.startsWith('model/mixer=deltanet')).args);
+      const out = {visible: gd.data.map(t => t.visible), values: gd.data.map(t => t.cells.values[col]),
+                   drawn: [...gd.querySelectorAll('.cell-text')].map(e => e.textContent)};
+      const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+      document.body.appendChild(pre); })();</script></body>"""
+    html = tmp_path / "probe.html"
+    html.write_text(page.replace("</body>", probe))
+    r = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                        "--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=120)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', r.stdout, re.S)
+    assert m, r.stderr[-2000:]
+    out = json.loads(m.group(1).replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
+    shown = out["visible"].index(True)
+    accs = sorted((j["metrics"]["val/acc"] for j in rep["jobs"] if j["mixer"] == "deltanet"), reverse=True)
+    assert [float(v) for v in out["values"][shown]] == pytest.approx(accs, abs=1e-4)
+    assert out["values"][0][-1] == ""  # the failed job's empty cell sorts last in the all-rows view
+    drawn = [float(t) for t in out["drawn"] if re.fullmatch(r"0\.\d+", t)]
+    assert drawn[:len(accs)] == pytest.approx(accs, abs=1e-4)
+
+
+def test_plotly_js_is_embedded_once_and_nothing_is_fetched(seeded):
+    _, page, figs = seeded
+    assert page.count(get_plotlyjs()) == 1
+    assert "<script src" not in page and "<link" not in page and not re.search(r"src=['\"]https?:", page)
+    assert page.count("Plotly.newPlot(") == len(figs)
+
+
+def test_each_plot_is_a_plotly_figure_beside_its_png(lengths_sweep, seeded):
+    """The page holds, for each PNG the report draws, that chart's Plotly specification with the same points."""
+    for rep, page, figs in (lengths_sweep, seeded):
+        pngs = sorted(k for k in rep["files"] if k.endswith(".png"))
+        assert sorted(f"{c.name}.png" for c in rep["charts"]) == pngs
+        assert sorted(k for k in figs if k.startswith("chart-")) == sorted(f"chart-{p[:-4]}" for p in pngs)
+        assert page.count("data:image/png;base64,") - get_plotlyjs().count("data:image/png;base64,") == len(pngs)
+        for chart in rep["charts"]:
+            fig = figs[f"chart-{chart.name}"]
+            assert fig["layout"]["title"]["text"] == chart.title
+            drawn = [(t["name"], list(t["x"]), list(t["y"])) for t in fig["data"] if t.get("fill") != "toself"]
+            want = [(s.name, list(s.x), list(s.y)) for p in chart.panels for s in p.series]
+            assert sorted(drawn, key=str) == sorted(want, key=str), chart.name
+    assert {c.name for c in lengths_sweep[0]["charts"]} == {"acc_vs_cache", "lengths"}
+    assert {c.name for c in seeded[0]["charts"]} == {"curves", "acc_vs_cache", "tokens_per_sec", "mqar_difficulty",
+                                                     "recall_vs_state"}
+
+
+def _seed_std(rep, mixer: str, key: str) -> float:
+    """The spread over seeds of `key` for the mixer's best learning rate, from the jobs themselves."""
+    runs = {}
+    for j in rep["jobs"]:
+        if j["mixer"] == mixer and j["status"] == "ok":
+            runs.setdefault(j["lr"], []).append(j["metrics"])
+    best = max(runs.values(), key=lambda ms: statistics.mean(m["val/acc"] for m in ms))
+    return statistics.stdev(m[key] for m in best)
+
+
+def test_error_bars_where_seeds_are_swept(seeded, lengths_sweep):
+    rep, _, figs = seeded
+    by = {c.name: figs[f"chart-{c.name}"]["data"] for c in rep["charts"]}
+    for mixer in ("gqa", "deltanet", "gated_deltanet"):
+        (point,) = [t for t in by["acc_vs_cache"] if t["name"] == mixer]
+        assert point["error_y"]["array"][0] == pytest.approx(_seed_std(rep, mixer, "val/acc"))
+        (bar,) = [t for t in by["tokens_per_sec"] if t["name"] == mixer]
+        assert bar["error_x"]["array"][0] == pytest.approx(_seed_std(rep, mixer, "perf/tokens_per_sec"))
+    for name in ("curves", "mqar_difficulty", "recall_vs_state"):
+        assert all(t.get("error_y", {}).get("array") for t in by[name] if t["name"]), name
+    # the PNGs: every series drawn with error bars
+    for chart in rep["charts"]:
+        if chart.kind != "bar":
+            fig = draw(chart)
+            assert sum(len(ax.containers) for ax in fig.axes) == sum(len(p.series) for p in chart.panels), chart.name
+    # one seed: no error bars anywhere
+    rep, _, figs = lengths_sweep
+    assert not any("error_y" in t or "error_x" in t for k, f in figs.items() if k.startswith("chart-") for t in f["data"])
+
+
+def test_a_curve_with_many_steps_shows_the_seeds_spread_as_a_band(tmp_path):
+    d = tmp_path / "curves"
+    for n, (mixer, seed) in enumerate([("gqa", 1), ("gqa", 2), ("deltanet", 1), ("deltanet", 2)]):
+        curve = [(s, 3 - s / 100 + (0.1 if seed == 2 else 0) + (0.2 if mixer == "deltanet" else 0)) for s in range(0, 200, 10)]
+        write_job(d / str(n), [f"model/mixer={mixer}", f"seed={seed}"], {"val/loss": curve[-1][1]}, curve)
+    rep, _, figs = built(d)
+    bands = [t for t in figs["chart-curves"]["data"] if t.get("fill") == "toself"]
+    assert len(bands) == 2 and len(rep["charts"][0].panels[0].series[0].x) > DENSE
+    (gqa,) = [s for s in rep["charts"][0].panels[0].series if s.name == "gqa"]
+    assert gqa.err == pytest.approx([statistics.stdev([0, 0.1])] * len(gqa.x))
+
+
+def test_degenerate_columns_are_not_plotted(tmp_path):
+    """A metric equal for every job, or one job only: no chart of it, neither PNG nor figure."""
+    d = tmp_path / "flat"
+    for n, kv in enumerate((1, 2, 4)):  # cache bytes and tokens/s equal across the jobs; val/loss varies
+        write_job(d / str(n), [f"model.n_kv_heads={kv}"], {"val/loss": 2.0 + n / 10, "cache/bytes_per_token": 512.0,
+                                                         "perf/tokens_per_sec": 1000.0}, [(0, 4.0), (10, 3.0 - n / 10)])
+    rep, page, figs = built(d)
+    assert [c.name for c in rep["charts"]] == ["curves"]
+    assert not (d / "plots" / "acc_vs_cache.png").exists() and not (d / "plots" / "tokens_per_sec.png").exists()
+    assert [k for k in figs if k.startswith("chart-")] == ["chart-curves"]
+    d = tmp_path / "one"
+    write_job(d / "0", ["model.n_kv_heads=1"], {"val/loss": 2.0, "cache/bytes_per_token": 512.0, "perf/tokens_per_sec": 1.0})
+    rep, page, figs = built(d)
+    assert rep["charts"] == [] and not any(k.startswith("chart-") for k in figs) and "<img" not in page
+    assert {"table-best", "table-all"} <= set(figs)  # the tables still show the one job
+
+
+def test_legend_is_titled_by_the_swept_key_and_panels_share_y(tmp_path, seeded):
+    rep, _, figs = seeded
+    for chart in rep["charts"]:
+        assert chart.legend == "model/mixer"
+        assert figs[f"chart-{chart.name}"]["layout"]["legend"]["title"]["text"] == "model/mixer"
+        fig = draw(chart)
+        if chart.kind != "bar":
+            assert fig.legends[0].get_title().get_text() == "model/mixer"
+    d = tmp_path / "kv"  # the swept key is not the mixer: n_kv_heads is the colour, pairs the panels
+    for n, (kv, pairs) in enumerate([(1, 4), (2, 4), (1, 8), (2, 8)]):
+        write_job(d / str(n), [f"model.n_kv_heads={kv}", f"data.num_kv_pairs={pairs}"],
+                  {"val/loss": 2.0 + n / 7 - kv / 5, "cache/bytes_per_token": 256.0 * kv}, [(0, 4.0), (5, 3.5), (10, 3.0 - n / 10)])
+    rep, _, figs = built(d)
+    (curves,) = [c for c in rep["charts"] if c.name == "curves"]
+    assert [p.title for p in curves.panels] == ["num_kv_pairs=4", "num_kv_pairs=8"]
+    for chart in rep["charts"]:
+        layout = figs[f"chart-{chart.name}"]["layout"]
+        assert layout["legend"]["title"]["text"] == "model.n_kv_heads"
+        assert layout["yaxis2"]["matches"] == "y"  # one y axis: the panels compare
+        axes = draw(chart).axes
+        assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])
+        assert draw(chart).legends[0].get_title().get_text() == "model.n_kv_heads"
+
+
+def _round(ticks) -> bool:
+    """Ticks evenly spaced by 1, 2, 2.5 or 5 x 10^k, each a multiple of that step."""
+    steps = {round(b - a, 12) for a, b in zip(ticks, ticks[1:])}
+    if len(steps) != 1:
+        return False
+    (step,) = steps
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    return any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5)) and all(
+        math.isclose(t / step, round(t / step), abs_tol=1e-9) for t in ticks)
+
+
+def test_step_axes_are_whole_numbers_and_y_ticks_round(seeded):
+    rep, _, figs = seeded
+    (curves,) = [c for c in rep["charts"] if c.name == "curves"]
+    xaxis = figs["chart-curves"]["layout"]["xaxis"]
+    assert isinstance(xaxis["dtick"], int) and xaxis["dtick"] >= 1 and xaxis["tickformat"] == ",d"
+    for chart in rep["charts"]:
+        assert not any("tickvals" in v for k, v in figs[f"chart-{chart.name}"]["layout"].items() if k.startswith("yaxis"))
+        fig = draw(chart)
+        ax = fig.axes[0]
+        lo, hi = ax.get_ylim() if chart.kind != "bar" else ax.get_xlim()
+        ticks = [t for t in (ax.get_yticks() if chart.kind != "bar" else ax.get_xticks()) if lo <= t <= hi]
+        assert _round(ticks), (chart.name, ticks)
+        if chart.x_integer:
+            xlo, xhi = ax.get_xlim()
+            xt = [t for t in ax.get_xticks() if xlo <= t <= xhi]
+            assert xt and all(float(t).is_integer() for t in xt), (chart.name, xt)
+
+
+def test_the_command_and_the_module_still_run(seeded, tmp_path, capsys):
+    """`attnzoo-report DIR` (main) and `python -m attnzoo.analysis.report DIR` (scripts/check_readme.py)."""
+    d = fake_sweep(tmp_path / "cli")
+    main([str(d)])
+    assert "12 jobs ->" in capsys.readouterr().out and (d / "report.html").is_file()
+    r = subprocess.run([sys.executable, "-m", "attnzoo.analysis.report", str(d)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "5 plots" in r.stdout, r.stderr[-2000:]

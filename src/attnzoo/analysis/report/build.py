@@ -1,0 +1,67 @@
+"""build_report: a sweep directory's jobs -> report.csv, report.md, plots/*.png and report.html."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from attnzoo.analysis.report.charts import report_charts
+from attnzoo.analysis.report.load import _job_dirs, annotate, best_per_variant, load_job, primary_metric
+from attnzoo.analysis.report.page import page
+from attnzoo.analysis.report.plots import draw_png
+from attnzoo.analysis.report.tables import MD_METRICS, failures_md, lengths_md, markdown_table, metric_columns, write_csv
+
+
+def build_report(root: str | Path) -> dict:
+    """Write report.csv/.md/.html and plots/ into `root`; return {'jobs': [...], 'best': [...], 'files': {...}}."""
+    root = Path(root)
+    dirs = _job_dirs(root)
+    if not dirs:
+        raise FileNotFoundError(f"no job directories (with .hydra/overrides.yaml or summary.json) under {root}")
+    jobs = [load_job(d, root) for d in dirs]
+    legends = annotate(jobs)
+    best = best_per_variant(jobs)
+    metric, _ = primary_metric(jobs)
+    cols = [c for c in MD_METRICS if c in metric_columns(jobs)]
+
+    charts = report_charts(jobs, best, metric, legends)
+    plots_dir = root / "plots"
+    plots_dir.mkdir(exist_ok=True)
+    plots = {}
+    for chart in charts:
+        plots[f"{chart.name}.png"] = plots_dir / f"{chart.name}.png"
+        draw_png(chart, plots[f"{chart.name}.png"])
+
+    write_csv(jobs, root / "report.csv")
+    n_ok = sum(j["status"] == "ok" for j in jobs)
+    command = _sweep_command(root)
+    extra = [("best lr", lambda j: j["lr"]), ("lrs", lambda j: j["n_lr"])]
+    seeds = max(j["n_seeds"] for j in best) > 1
+    if seeds:  # mean over seeds of the best lr, with the spread of the ranking metric
+        extra += [("seeds", lambda j: j["n_seeds"]), (f"{metric} std", lambda j: j["spread"].get(metric))]
+    md = [f"# Sweep report: {root.name}", ""]
+    if command:
+        md += [f"Command: `{command}`", ""]
+    md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`"
+           + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
+           "## Best learning rate per variant", "", markdown_table(best, cols, extra=extra), "", lengths_md(best, metric),
+           "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
+    md += [f"![{p}](plots/{p})" for p in plots]
+    (root / "report.md").write_text("\n".join(md) + "\n")
+    (root / "report.html").write_text(page(root.name, command, jobs, best, cols, extra, metric, charts, plots))
+    return {"jobs": jobs, "best": best, "charts": charts,
+            "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots}}
+
+
+def _sweep_command(root: Path) -> str:
+    mr = root / "multirun.yaml"
+    if not mr.is_file():
+        return ""
+    try:
+        task = yaml.safe_load(mr.read_text())["hydra"]["overrides"]["task"]
+    except Exception:  # noqa: BLE001 - the command line is a nicety
+        return ""
+    sweep = next((o.split("=", 1)[1] for o in task if o.startswith(("+sweeps=", "sweeps="))), None)
+    rest = [o for o in task if not o.startswith(("+sweeps=", "sweeps=", "hydra.searchpath"))]
+    rest.append(f"hydra.sweep.dir={root}")  # the rerun that skips finished jobs goes into the same dir
+    return (f"attnzoo-sweep {sweep} " if sweep else "attnzoo-train -m ") + " ".join(rest)
