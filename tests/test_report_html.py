@@ -182,7 +182,7 @@ def test_each_plot_is_a_plotly_figure_beside_its_png(lengths_sweep, seeded):
         pngs = sorted(k for k in rep["files"] if k.endswith(".png"))
         assert sorted(f"{c.name}.png" for c in rep["charts"]) == pngs
         assert sorted(k for k in figs if k.startswith("chart-")) == sorted(f"chart-{p[:-4]}" for p in pngs)
-        assert page.count("data:image/png;base64,") - get_plotlyjs().count("data:image/png;base64,") == len(pngs)
+        assert page.count("src='data:image/png;base64,") == len(pngs)  # plotly.js holds one such string of its own
         for chart in rep["charts"]:
             fig = figs[f"chart-{chart.name}"]
             assert fig["layout"]["title"]["text"] == chart.title

@@ -116,7 +116,8 @@ def test_mixers_smoke_sweep_and_report(tmp_path):
         p = d / "plots" / name
         assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000, name
     html = (d / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 5 and "deltanet" in html
+    # the 5 PNGs embedded as <img src='data:...'> (the page's plotly.js holds a base64 PNG string of its own)
+    assert html.count("src='data:image/png;base64,") == 5 and "deltanet" in html
     md = (d / "report.md").read_text()
     assert "attnzoo-sweep mixers" in md and md.count("| ok |") == 6  # 2 best rows + 4 job rows
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from attnzoo.analysis.report.charts import report_charts
-from attnzoo.analysis.report.load import _job_dirs, annotate, best_per_variant, load_job, primary_metric
+from attnzoo.analysis.report.load import job_dirs, annotate, best_per_variant, load_job, primary_metric
 from attnzoo.analysis.report.page import page
 from attnzoo.analysis.report.plots import draw_png
 from attnzoo.analysis.report.tables import MD_METRICS, failures_md, lengths_md, markdown_table, metric_columns, write_csv
@@ -15,7 +15,7 @@ from attnzoo.analysis.report.tables import MD_METRICS, failures_md, lengths_md, 
 def build_report(root: str | Path) -> dict:
     """Write report.csv/.md/.html and plots/ into `root`; return {'jobs': [...], 'best': [...], 'files': {...}}."""
     root = Path(root)
-    dirs = _job_dirs(root)
+    dirs = job_dirs(root)
     if not dirs:
         raise FileNotFoundError(f"no job directories (with .hydra/overrides.yaml or summary.json) under {root}")
     jobs = [load_job(d, root) for d in dirs]

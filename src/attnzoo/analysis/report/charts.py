@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from attnzoo.analysis.report.load import _finite, mean_std
+from attnzoo.analysis.report.load import finite, mean_std
 from attnzoo.analysis.report.tables import fmt
 
 # matplotlib's tab10 and tab20 (the PNGs and the page use the same colour for a series)
@@ -58,9 +58,6 @@ class Chart:
         palette = TAB10 if len(names) <= 10 else TAB20
         return {n: palette[i % len(palette)] for i, n in enumerate(names)}
 
-    def x_values(self) -> list:
-        return sorted({x for p in self.panels for s in p.series for x in s.x})
-
 
 def sort_key(text: str):
     """Facets and series in natural order ('N=4' before 'N=16')."""
@@ -79,7 +76,7 @@ def data_ticks(xs: list[float], room: int, most: int = 8) -> list[float]:
     """The ticks of a log axis with few data values (cache bytes, pairs, lengths): the values themselves (an
     axis inside one decade has no labelled tick otherwise), leaving out a value closer to the last tick than
     1/room of the axis (its label would overlap). No ticks (the axis' own) for more than `most` values."""
-    xs = sorted({float(x) for x in xs if _finite(x) and x > 0})
+    xs = sorted({float(x) for x in xs if finite(x) and x > 0})
     if not 0 < len(xs) <= most:
         return []
     gap = math.log(xs[-1] / xs[0]) / room
@@ -92,7 +89,7 @@ def data_ticks(xs: list[float], room: int, most: int = 8) -> list[float]:
 
 def _varies(values) -> bool:
     """Two values or more, not all equal: otherwise the plotted column is degenerate."""
-    vals = [v for v in values if _finite(v)]
+    vals = [v for v in values if finite(v)]
     return len(vals) >= 2 and len(set(vals)) > 1
 
 
@@ -100,13 +97,12 @@ def _pm(value, err) -> str:
     return fmt(value) + (f" ± {fmt(err)}" if err else "")
 
 
-def _hover(j: dict, lead: str = "") -> str:
+def _hover(j: dict) -> str:
     """A point's text: the job (or the best-of-lr row: its lr and seeds), its overrides and key metrics."""
     who = f"job {j['job']}: {j['label']}" if j.get("n_seeds", 1) == 1 else \
         f"{j['variant']}, best lr {fmt(j['lr'])}, mean of {j['n_seeds']} seeds"
     spread = j.get("spread") or {}
-    return "\n".join([who, *([lead] if lead else []),
-                      *[f"{k} = {_pm(j['metrics'][k], spread.get(k))}" for k in HOVER_METRICS if _finite(j["metrics"].get(k))]])
+    return "\n".join([who, *[f"{k} = {_pm(j['metrics'][k], spread.get(k))}" for k in HOVER_METRICS if finite(j["metrics"].get(k))]])
 
 
 def _panels(items: list[dict], point) -> list[Panel]:
@@ -149,7 +145,7 @@ def curves(best: list[dict], metric: str, legend: str) -> Chart | None:
 
 def acc_vs_cache(best: list[dict], metric: str, legend: str) -> Chart | None:
     """The recall / memory trade-off: the metric vs the analytic cache bytes per token, a point per variant."""
-    pts = [j for j in best if _finite(j["metrics"].get(metric)) and _finite(j["metrics"].get("cache/bytes_per_token"))
+    pts = [j for j in best if finite(j["metrics"].get(metric)) and finite(j["metrics"].get("cache/bytes_per_token"))
            and j["metrics"]["cache/bytes_per_token"] > 0]
     if not (_varies([j["metrics"][metric] for j in pts]) and _varies([j["metrics"]["cache/bytes_per_token"] for j in pts])):
         return None
@@ -161,7 +157,7 @@ def acc_vs_cache(best: list[dict], metric: str, legend: str) -> Chart | None:
 
 def tokens_per_sec(best: list[dict], legend: str) -> Chart | None:
     """Training throughput, a bar per variant, coloured by series."""
-    pts = [j for j in best if _finite(j["metrics"].get("perf/tokens_per_sec"))]
+    pts = [j for j in best if finite(j["metrics"].get("perf/tokens_per_sec"))]
     if not _varies([j["metrics"]["perf/tokens_per_sec"] for j in pts]):
         return None
     pts.sort(key=lambda j: (sort_key(j["facet"]), sort_key(j["series"])))
@@ -179,9 +175,9 @@ def lengths(best: list[dict], metric: str, legend: str) -> Chart | None:
     def point(j):
         spread = j.get("spread", {})
         pts = {int(m.group(1)): (v, spread.get(k)) for k, v in j["metrics"].items()
-               if (m := re.fullmatch(re.escape(metric) + r"@(\d+)", k)) and _finite(v)}
+               if (m := re.fullmatch(re.escape(metric) + r"@(\d+)", k)) and finite(v)}
         L = (j["summary"].get("data") or {}).get("seq_len") or j["summary"].get("context_len")
-        if pts and L and _finite(j["metrics"].get(metric)):
+        if pts and L and finite(j["metrics"].get(metric)):
             pts[int(L)] = (j["metrics"][metric], spread.get(metric))
         if len(pts) < 2:
             return None
@@ -211,8 +207,8 @@ def _mqar_best(jobs: list[dict], key, extra: str | None = None) -> dict[tuple, d
     seeds: {key: {'acc': (mean, std), 'n': seeds, 'x': mean of `extra`, 'job': a run}}."""
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for j in jobs:
-        if ((j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok" and _finite(j["metrics"].get("val/acc"))
-                and _pairs(j) is not None and (extra is None or _finite(j["metrics"].get(extra)))):
+        if ((j["summary"].get("data") or {}).get("name") == "mqar" and j["status"] == "ok" and finite(j["metrics"].get("val/acc"))
+                and _pairs(j) is not None and (extra is None or finite(j["metrics"].get(extra)))):
             groups.setdefault(key(j), {}).setdefault(str(j["lr"]), []).append(j)
     best = {}
     for k, by_lr in groups.items():
@@ -222,14 +218,14 @@ def _mqar_best(jobs: list[dict], key, extra: str | None = None) -> dict[tuple, d
     return best
 
 
-def _mqar_series(points: dict[str, list[tuple]], seeds: bool) -> list[Series]:
+def _mqar_series(points: dict[str, list[tuple]], seeds: bool, xname: str) -> list[Series]:
     """{line: [(x, best), ...]} -> one Series per line, its points in x order."""
     out = []
     for line in sorted(points, key=sort_key):
         pts = sorted(points[line], key=lambda p: p[0])
         out.append(Series(line, [x for x, _ in pts], [b["acc"][0] for _, b in pts], [b["acc"][1] for _, b in pts] if seeds else None,
                           [f"{line}: {b['job']['variant']}, best lr {fmt(b['job']['lr'])}\nval/acc = {_pm(*b['acc'])}"
-                           + (f" (mean of {b['n']} seeds)" if b["n"] > 1 else "") + f"\nx = {fmt(x)}" for x, b in pts]))
+                           + (f" (mean of {b['n']} seeds)" if b["n"] > 1 else "") + f"\n{xname} = {fmt(x)}" for x, b in pts]))
     return out
 
 
@@ -246,7 +242,7 @@ def mqar_difficulty(jobs: list[dict], legend: str) -> Chart | None:
         for (kw, line, n), b in best.items():
             if kw == w:
                 points.setdefault(line, []).append((n, b))
-        panels.append(Panel(f"MQAR, d_model={w}", _mqar_series(points, seeds)))
+        panels.append(Panel(f"MQAR, d_model={w}", _mqar_series(points, seeds, "pairs")))
     return Chart("mqar_difficulty", "MQAR accuracy vs difficulty (best learning rate)", "line", panels,
                  "key-value pairs (N)", "val/acc (best lr)", legend, xlog=2, x_integer=True, ylim=(-0.02, 1.02))
 
@@ -265,7 +261,7 @@ def recall_vs_state(jobs: list[dict], legend: str) -> Chart | None:
         for (kn, line, _), b in best.items():
             if kn == n:
                 points.setdefault(line, []).append((b["x"], b))
-        panels.append(Panel(f"MQAR, N={n} key-value pairs", _mqar_series(points, seeds)))
+        panels.append(Panel(f"MQAR, N={n} key-value pairs", _mqar_series(points, seeds, "cache/bytes_at_ctx")))
     return Chart("recall_vs_state", "recall vs state size (points: model widths)", "line", panels,
                  "state size: cache/bytes_at_ctx (bytes)", "val/acc (best lr)", legend, xlog=10, ylim=(-0.02, 1.02))
 

@@ -83,8 +83,8 @@ def table_figure(head: list[str], rows: list[list[Cell]], failed: list[bool],
     fig.update_layout(
         updatemenus=[dict(menu, buttons=sorts, x=0.06, active=0), dict(menu, buttons=shows, x=0.42, active=0)],
         annotations=[dict(text="sort by", x=0, y=1.01, xref="paper", yref="paper", xanchor="left", yanchor="bottom",
-                          showarrow=False, yshift=6), dict(text="show", x=0.37, y=1.01, xref="paper", yref="paper",
-                                                           xanchor="left", yanchor="bottom", showarrow=False, yshift=6)],
+                          showarrow=False, yshift=10), dict(text="show", x=0.37, y=1.01, xref="paper", yref="paper",
+                                                           xanchor="left", yanchor="bottom", showarrow=False, yshift=10)],
         margin=dict(l=10, r=10, t=48, b=6), font=dict(family="sans-serif", size=12),
-        height=min(700, 90 + (ROW_HEIGHT + 2) * len(rows) * min(lines, 2)))
+        height=min(1000, 90 + (ROW_HEIGHT + 2) * len(rows) * min(lines, 2)))
     return fig

@@ -25,7 +25,7 @@ AXIS_KEYS = ("data.num_kv_pairs", "model.d_model")  # the axes / panels of the M
 # ----------------------------------------------------------------------------- loading
 
 
-def _job_dirs(root: Path) -> list[Path]:
+def job_dirs(root: Path) -> list[Path]:
     found = {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")} | {p.parent for p in root.rglob("summary.json")}
     found.discard(root)
 
@@ -162,7 +162,7 @@ def best_per_variant(jobs: list[dict]) -> list[dict]:
         groups.setdefault(j["variant"], []).append(j)
     best = []
     for members in groups.values():
-        ok = [j for j in members if j["status"] == "ok" and _finite(j["metrics"].get(key))]
+        ok = [j for j in members if j["status"] == "ok" and finite(j["metrics"].get(key))]
         n_lr = len({str(j["lr"]) for j in members})
         if not ok:
             best.append({**members[0], "n_lr": n_lr, "n_seeds": 1, "spread": {}, "runs": members[:1]})
@@ -174,7 +174,7 @@ def best_per_variant(jobs: list[dict]) -> list[dict]:
         first = max(pick, key=lambda j: j["metrics"][key]) if higher else min(pick, key=lambda j: j["metrics"][key])
         row = {**first, "n_lr": n_lr, "n_seeds": len(pick), "spread": {}, "runs": pick}
         if len(pick) > 1:
-            keys = [k for k in first["metrics"] if all(_finite(r["metrics"].get(k)) for r in pick)]
+            keys = [k for k in first["metrics"] if all(finite(r["metrics"].get(k)) for r in pick)]
             stats = {k: mean_std([r["metrics"][k] for r in pick]) for k in keys}
             row["metrics"] = {k: m for k, (m, _) in stats.items()}
             row["spread"] = {k: s for k, (_, s) in stats.items()}
@@ -188,5 +188,5 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return m, (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
 
 
-def _finite(v: Any) -> bool:
+def finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)

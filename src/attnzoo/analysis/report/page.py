@@ -66,7 +66,7 @@ def page(title: str, command: str, jobs: list[dict], best: list[dict], cols: lis
         f"<p>{len(jobs)} jobs, {sum(j['status'] == 'ok' for j in jobs)} ok; ranking metric <code>{e(metric)}</code>; "
         f"best-of-lr rows are means over seeds where seeds were swept.</p><p>{HELP}</p>",
         "<h2>Best learning rate per variant</h2>", _table_html("table-best", best, table(best, cols, extra), "variant_overrides"),
-        *[figure_html(chart_figure(c), f"chart-{c.name}") for c in charts],
+        *(["<h2>Charts</h2>"] if charts else []), *[figure_html(chart_figure(c), f"chart-{c.name}") for c in charts],
         *(["<h2>Length extrapolation</h2>", _table_html("table-lengths", best, lengths, "variant_overrides")] if lengths[1] else []),
         "<h2>All jobs</h2>", _table_html("table-all", jobs, table(jobs, cols), "swept"),
         f"<h2>Failed jobs</h2><ul class='failed'>{fails}</ul>" if fails else "",

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from attnzoo.analysis.report.load import _finite
+from attnzoo.analysis.report.load import finite
 
 METRIC_ORDER = ["val/acc", "val/loss", "val/ppl", "train/loss", "perf/tokens_per_sec", "cache/bytes_per_token",
                 "params/total", "params/active", "perf/step_ms", "perf/mfu", "perf/flops_per_token",
@@ -70,7 +70,7 @@ def fmt(v: Any) -> str:
 
 
 def _cell(v: Any) -> Cell:
-    return fmt(v), v if _finite(v) and not isinstance(v, bool) else None
+    return fmt(v), v if finite(v) and not isinstance(v, bool) else None
 
 
 def table(rows: list[dict], cols: list[str], extra: list[tuple[str, Any]] = ()) -> tuple[list[str], list[list[Cell]]]:
