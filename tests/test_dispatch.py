@@ -28,10 +28,10 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # CUDA, both libraries available, a dtype both support (bf16): what each family runs for each request
 ON_CUDA = {
     "softmax": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},  # SDPA (flash) is torch's
-    "sliding_window": {"auto": "flex", "torch": "torch", "fla": "torch", "flex": "flex"},
+    "window": {"auto": "flex", "torch": "torch", "fla": "torch", "flex": "flex"},
     "block_sparse": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},  # data-dependent top-k
     "linear": {"auto": "fla", "torch": "torch", "fla": "fla", "flex": "torch"},
-    "mla": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},
+    "latent": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},
     "other": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},
 }
 
@@ -69,17 +69,20 @@ def test_choice_table(request_, family, device, dtype, fla_ok, flex_ok):
 
 
 def test_mixer_families():
-    """Every registered mixer has a family; the layers a fast kernel does not cover fall to "other"."""
+    """Every registered mixer class has a family (`kernel_family`); the layers a fast kernel does not cover fall
+    to "other"."""
     from attnzoo.models.decoder import DecoderLM
     from attnzoo.config.registry import MIXERS
 
-    assert set(MIXERS.names()) <= set(dispatch.FAMILIES)
+    assert all(MIXERS.get(n).cls.kernel_family in FAMILY_NAMES for n in MIXERS.names())
+    assert set(ON_CUDA) == set(FAMILY_NAMES)
 
     def family(mixer: dict, **model) -> str:
         cfg = {"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": mixer, **model}
         return dispatch.family_of(DecoderLM(cfg, vocab_size=16).mixers[0])
 
-    assert family({"name": "sliding_window"}) == "sliding_window"
+    assert family({"name": "sliding_window"}) == "window" and family({"name": "mla"}) == "latent"
+    assert family({"name": "gqa"}) == "softmax"
     assert family({"name": "sliding_window", "sink_tokens": 4}) == "other"  # sinks: their own torch forward
     assert family({"name": "sliding_window"}, dropout=0.1) == "other"  # flex has no dropout
     assert family({"name": "gated_deltanet", "head_dim": 512}) == "other"  # fla's key size limit, 256

@@ -305,7 +305,7 @@ def test_exact_match_counts_whole_sequences():
 
 
 def test_bad_encdec_option_is_one_line_config_error():
-    with pytest.raises(ConfigError, match=r"model\.encdec\.cross_attention: got 'xqa'; allowed: mha, gqa, mqa"):
+    with pytest.raises(ConfigError, match=r"model\.encdec\.cross_attention: got 'xqa'; allowed: gqa, mha, mqa"):
         EncoderDecoder(tiny(cross_attention="xqa"), vocab_size=V)
     with pytest.raises(ConfigError, match=r"model\.encdec\.cross_kv_heads"):
         EncoderDecoder(tiny(cross_attention="gqa", cross_kv_heads=3), vocab_size=V)

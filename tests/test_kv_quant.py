@@ -355,7 +355,7 @@ def test_odd_head_dim_is_fine_with_int8_and_a_model_without_kv_layers_is_refused
     validate(compose_cfg(["debug=smoke", "model.head_dim=7", "inference.kv_cache_dtype=int8", "inference.kv_residual=8",
                           "inference.kv_group_size=8"], tmp_path))
     # no layer takes the format: refused as such (before: accepted, and the run reported a "+0.0000" cost)
-    with pytest.raises(ConfigError, match=r"^inference.kv_cache_dtype: int4 stores the KV caches of mha / gqa / mqa "
+    with pytest.raises(ConfigError, match=r"^inference.kv_cache_dtype: int4 stores the KV caches of gqa / mha / mqa "
                                           r"layers, and none of this model's \d+ layers is one \(sliding_window: own"):
         validate(compose_cfg(["debug=smoke", "model/mixer=sliding_window", "model.head_dim=7",
                               "inference.kv_cache_dtype=int4"], tmp_path))

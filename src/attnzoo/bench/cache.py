@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from attnzoo.bench.common import windowed
 from attnzoo.models.decoder import DecoderLM
 
 HELP = "KV-cache bytes (analytic + measured) and decode/prefill tokens/s for mha/gqa/mqa/sliding_window/mla"
@@ -44,7 +45,7 @@ def model_config(name: str, args) -> dict:
         pattern = ["local", "local", "local", "global"] if args.n_layers % 4 == 0 else ["local"] * (args.n_layers - 1) + ["global"]
         return {**cfg, "pattern": pattern if args.n_layers > 1 else ["global"],
                 "mixers": {"local": {"name": "sliding_window", "window": args.window}, "global": {"name": "gqa"}}}
-    mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
+    mixer = {"name": name, "window": args.window} if windowed(name) else {"name": name}
     return {**cfg, "mixer": mixer}
 
 

@@ -1,10 +1,17 @@
-"""Timing helpers shared by the benchmark subcommands."""
+"""Timing helpers shared by the benchmark subcommands, and what they ask a mixer class."""
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 import torch
+
+from attnzoo.config.registry import MIXERS
+
+
+def windowed(mixer: str) -> bool:
+    """The mixer is sliding-window attention (its class's kernel family): the benchmarks set its window."""
+    return MIXERS.get(mixer).cls.kernel_family == "window"
 
 
 def sync(device) -> None:

@@ -25,27 +25,33 @@ import torch
 
 HELP = "context parallelism: equivalence per mixer (--check) or tokens/s, comm share and peak memory per rank"
 
-# tiny decoder configs (model section dicts) per mixer; the hybrid mixes all three families per layer
 _BASE = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn": {"name": "swiglu"}, "max_seq_len": 4096}
-CASES: dict[str, dict] = {
-    "mha": {"mixer": {"name": "mha"}},
-    "gqa": {"mixer": {"name": "gqa"}},
-    "mqa": {"mixer": {"name": "mqa"}},
-    "gqa+conv3": {"mixer": {"name": "gqa", "conv_size": 3}},
-    "gqa+alibi": {"mixer": {"name": "gqa"}, "position": {"name": "alibi"}},
-    "gqa+learned": {"mixer": {"name": "gqa"}, "position": {"name": "learned"}},
-    "sliding_window W5": {"mixer": {"name": "sliding_window", "window": 5}},
-    "sliding_window W5 + 2 sinks": {"mixer": {"name": "sliding_window", "window": 5, "sink_tokens": 2}},
-    "mla": {"mixer": {"name": "mla"}},
-    "linear_attention": {"mixer": {"name": "linear_attention", "chunk_size": 4}},
-    "linear_attention+conv3": {"mixer": {"name": "linear_attention", "chunk_size": 4, "conv_size": 3,
-                                         "qkv_activation": "silu"}},
-    "deltanet": {"mixer": {"name": "deltanet", "chunk_size": 4}},
-    "gated_deltanet": {"mixer": {"name": "gated_deltanet", "chunk_size": 4}},
-    "hybrid gdn/gqa/swa": {"n_layers": 3, "pattern": ["gdn", "attn", "swa"],
-                           "mixers": {"gdn": {"name": "gated_deltanet", "chunk_size": 4}, "attn": {"name": "gqa"},
-                                      "swa": {"name": "sliding_window", "window": 6}}},
-}
+
+
+def _case(suffix: str = "", **section) -> tuple[str, dict]:
+    """(label, model section) of one case: the label is the mixer's name and what the case adds (`suffix`)."""
+    return section["mixer"]["name"] + suffix, section
+
+
+# tiny decoder configs (model section dicts) per mixer; the hybrid mixes all three families per layer
+CASES: dict[str, dict] = dict([
+    _case(mixer={"name": "mha"}),
+    _case(mixer={"name": "gqa"}),
+    _case(mixer={"name": "mqa"}),
+    _case("+conv3", mixer={"name": "gqa", "conv_size": 3}),
+    _case("+alibi", mixer={"name": "gqa"}, position={"name": "alibi"}),
+    _case("+learned", mixer={"name": "gqa"}, position={"name": "learned"}),
+    _case(" W5", mixer={"name": "sliding_window", "window": 5}),
+    _case(" W5 + 2 sinks", mixer={"name": "sliding_window", "window": 5, "sink_tokens": 2}),
+    _case(mixer={"name": "mla"}),
+    _case(mixer={"name": "linear_attention", "chunk_size": 4}),
+    _case("+conv3", mixer={"name": "linear_attention", "chunk_size": 4, "conv_size": 3, "qkv_activation": "silu"}),
+    _case(mixer={"name": "deltanet", "chunk_size": 4}),
+    _case(mixer={"name": "gated_deltanet", "chunk_size": 4}),
+    ("hybrid gdn/gqa/swa", {"n_layers": 3, "pattern": ["gdn", "attn", "swa"],
+                            "mixers": {"gdn": {"name": "gated_deltanet", "chunk_size": 4}, "attn": {"name": "gqa"},
+                                       "swa": {"name": "sliding_window", "window": 6}}}),
+])
 VOCAB = 61
 
 
@@ -144,9 +150,14 @@ def check_case(case: str, layout_name: str, dtype: torch.dtype, seq_len: int, ba
 
 def _min_segment(cfg: dict) -> int:
     """The longest short-conv tail of the model (segments must be at least that long)."""
-    mixers = [cfg.get("mixer", {})] + list((cfg.get("mixers") or {}).values())
-    default_conv = {"deltanet": 4, "gated_deltanet": 4}
-    return max([1] + [int(m.get("conv_size", default_conv.get(m.get("name"), 0))) - 1 for m in mixers])
+    from attnzoo.config.registry import MIXERS
+
+    mixers = [m for m in [cfg.get("mixer")] + list((cfg.get("mixers") or {}).values()) if m]
+
+    def conv(m: dict) -> int:  # given, else its config's default
+        return int(m.get("conv_size", getattr(MIXERS.get(m["name"]).config_cls(), "conv_size", 0)))
+
+    return max([1] + [conv(m) - 1 for m in mixers])
 
 
 def _check_worker(rank: int, world: int, port: int, jobs: list, out_path: str) -> None:
@@ -243,7 +254,7 @@ def add_arguments(p) -> None:
     p.add_argument("--check", action="store_true", help="equivalence per mixer instead of timing")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="process counts (check) / CP size (timing)")
     p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--mixers", nargs="+", default=None, help="timing: mixer cases (default gqa gated_deltanet)")
+    p.add_argument("--mixers", nargs="+", default=["gqa", "gated_deltanet"], help="timing: mixer cases")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--layout", default="auto", help="auto (as training picks it) | zigzag | contiguous")
@@ -274,7 +285,7 @@ def run(args) -> dict:
                           "gradients summed over ranks; tolerance 1e-10 (float64); float32: 10x the one-process "
                           "reference's own float32-vs-float64 gap (same metric)."]}
     rows = []
-    for mixer in args.mixers or ["gqa", "gated_deltanet"]:
+    for mixer in args.mixers:
         cfg = {**model_cfg(mixer), "d_model": args.d_model, "n_layers": args.n_layers,
                "max_seq_len": max(args.seq_len, 2048)}
         if "mixers" not in cfg:

@@ -133,8 +133,10 @@ def run_mixer(mixer, x: torch.Tensor, dy: torch.Tensor, *, request: str, dtype: 
 
 def mixer_case(mixer_cfg: dict, kernel: str, dtype_name: str, *, flash: bool = False) -> Callable:
     def run(ctx: "Context") -> dict:
+        from attnzoo.bench.common import windowed
+
         s, device = ctx.sizes, ctx.device
-        mixer_cfg_ = {**mixer_cfg, "window": s.window} if mixer_cfg["name"] == "sliding_window" else mixer_cfg
+        mixer_cfg_ = {**mixer_cfg, "window": s.window} if windowed(mixer_cfg["name"]) else mixer_cfg
         mixer = build_mixer(mixer_cfg_, s, device).train()
         g = torch.Generator(device="cpu").manual_seed(1)
         x = torch.randn(s.batch, s.T, s.d_model, generator=g).to(device)

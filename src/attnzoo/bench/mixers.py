@@ -74,9 +74,10 @@ class PeakMemory(TorchDispatchMode):
 
 
 def build_mixer(name: str, args, max_len: int):
+    from attnzoo.bench.common import windowed
     from attnzoo.models.decoder import DecoderLM
 
-    mixer = {"name": name, "window": args.window} if name == "sliding_window" else {"name": name}
+    mixer = {"name": name, "window": args.window} if windowed(name) else {"name": name}
     cfg = {"d_model": args.d_model, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "n_layers": 1,
            "max_seq_len": max_len, "mixer": mixer, "impl": getattr(args, "impl", "auto")}
     return DecoderLM(cfg, vocab_size=256).blocks[0].mixer

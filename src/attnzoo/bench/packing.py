@@ -9,7 +9,9 @@ import time
 
 import torch
 
-from attnzoo.bench.common import sync
+from attnzoo.bench.common import sync, windowed
+from attnzoo.config.registry import MIXERS
+from attnzoo.mixers.base import HF_LINEAR_ATTENTION
 
 HELP = "packed documents (document masks) vs padded documents vs the plain stream: real tokens/s in training"
 
@@ -58,9 +60,9 @@ def _lit(mixer: str, seq_len: int, vocab: int, args):
 
     model = {"d_model": args.d_model, "n_layers": args.layers, "n_heads": max(1, args.d_model // 64),
              "n_kv_heads": max(1, args.d_model // 128), "mixer": {"name": mixer}, "max_seq_len": seq_len}
-    if mixer == "sliding_window":
+    if windowed(mixer):
         model["mixer"]["window"] = min(256, seq_len // 2)
-    if mixer == "gated_deltanet":
+    if MIXERS.get(mixer).cls.hf_layer == HF_LINEAR_ATTENTION:  # Gated DeltaNet at Qwen3-Next's head size, 128
         model["n_heads"] = model["n_kv_heads"] = max(1, args.d_model // 128)
     torch.manual_seed(0)
     return LitLM({"model": model, "trainer": {"max_steps": 10}}, vocab_size=vocab).to(args.device)

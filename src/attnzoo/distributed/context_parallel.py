@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from attnzoo.config.errors import ConfigError
+from attnzoo.config.registry import MIXERS
 
 LAYOUTS = ("auto", "zigzag", "contiguous")
 
@@ -88,15 +89,14 @@ class Layout:
         return torch.cat(pieces, dim=dim)
 
 
-FULL_ATTENTION = ("mha", "gqa", "mqa", "mla")  # causal softmax over the whole past: unequal work per contiguous shard
-
-
 def resolve_layout(layout: str, mixer_names: list[str]) -> str:
-    """`auto` -> zigzag when some layer is full causal attention (equal work per rank), else contiguous
-    (windows and recurrences are balanced already, and a window then needs a single ring hop)."""
+    """`auto` -> zigzag when some layer is full causal attention (its mixer class sets `full_causal_attention`:
+    causal softmax over the whole past, unequal work per contiguous shard; zigzag gives every rank the same
+    work), else contiguous (windows and recurrences are balanced already, and a window then needs a single
+    ring hop)."""
     if layout != "auto":
         return layout
-    return "zigzag" if any(n in FULL_ATTENTION for n in mixer_names) else "contiguous"
+    return "zigzag" if any(MIXERS.get(n).cls.full_causal_attention for n in mixer_names) else "contiguous"
 
 
 def check_layout(seq_len: int, size: int, layout: str, min_segment: int = 1) -> Layout:

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.layers.kv_cache import LayerCache
 from attnzoo.config.errors import ConfigError
 from attnzoo.ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
 from attnzoo.layers.norm import RMSNorm
@@ -32,149 +31,9 @@ from attnzoo.ops.sliding_window import sliding_window_sdpa
 from attnzoo.ops.dispatch import mixer_kernel
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import Mixer, causal_attended, dtype_bytes, validate_conv
-
-
-class _Capacity:
-    """The buffers behind a KVCache's k / v views (not a tensor attribute: `nbytes()` counts the filled views,
-    beam search's reorder leaves it alone, and `KVCache.update` rebuilds it when k is no longer its view)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-
-class KVCache(LayerCache):
-    """Keys and values of every past token: k, v of shape (B, n_kv_heads, T, head_dim).
-
-    The first call (the prefill) stores exactly its tokens. Later calls write into buffers whose capacity
-    doubles when full, so decoding copies each token once (amortised) instead of copying the whole cache per
-    token; k and v are views of the filled part. `nbytes()` counts the filled part (the context's cache,
-    equal to `cache_bytes`); `allocated_bytes()` also the spare capacity (at most the filled part again).
-    With autograd recording (a cache in a graph) it concatenates instead, so no in-place write can touch a
-    tensor the graph saved.
-    """
-
-    def __init__(self) -> None:
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self._capacity: Optional[_Capacity] = None
-
-    @property
-    def seq_len(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def allocated_bytes(self) -> int:
-        """Bytes really allocated: the buffers (capacity) when k / v are their views, else nbytes()."""
-        cap = self._capacity
-        if cap is not None and self.k is not None and cap.k.data_ptr() == self.k.data_ptr():
-            return self.nbytes() - self.k.numel() * self.k.element_size() - self.v.numel() * self.v.element_size() \
-                + cap.nbytes()
-        return self.nbytes()
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new (B, Hkv, t, D) keys/values; return all keys/values so far."""
-        if self.k is None:
-            # own copies: k/v may be views into the fused qkv activation, which would stay alive
-            # (and uncounted) behind them
-            self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
-            return self.k, self.v
-        if torch.is_grad_enabled() and (k.requires_grad or self.k.requires_grad):
-            self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-            return self.k, self.v
-        n, t = self.k.shape[2], k.shape[2]
-        cap = self._capacity
-        if (cap is None or cap.k.data_ptr() != self.k.data_ptr() or cap.k.shape[2] < n + t
-                or cap.k.dtype != k.dtype or cap.k.shape[:2] != self.k.shape[:2]):
-            size = max(2 * n, n + t)  # doubling: each token is copied O(1) times over a whole decode
-            kb = self.k.new_empty(*self.k.shape[:2], size, self.k.shape[3])
-            vb = self.v.new_empty(*self.v.shape[:2], size, self.v.shape[3])
-            kb[:, :, :n], vb[:, :, :n] = self.k, self.v
-            cap = self._capacity = _Capacity(kb, vb)
-        cap.k[:, :, n:n + t], cap.v[:, :, n:n + t] = k, v
-        self.k, self.v = cap.k[:, :, :n + t], cap.v[:, :, :n + t]
-        return self.k, self.v
-
-
-class SlidingWindowCache(LayerCache):
-    """Keys/values of the last `window` tokens only: k, v of shape (B, n_kv_heads, min(seen, W), head_dim).
-
-    A ring buffer: the token at absolute position p lives in slot p % W. It grows by concatenation until it
-    holds W tokens and is then overwritten in place, so decoding far past W keeps memory flat at W tokens.
-    Keys are stored after RoPE, so a slot's position never needs to be known again.
-    """
-
-    def __init__(self, window: int, sinks: int = 0) -> None:
-        self.window = window
-        self.sinks = sinks  # attention sinks (StreamingLLM): the first `sinks` tokens, kept beside the ring
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.sink_k: Optional[torch.Tensor] = None  # (B, Hkv, min(seen, sinks), D), after RoPE
-        self.sink_v: Optional[torch.Tensor] = None
-        self.seen = 0  # tokens processed so far (the next absolute position)
-
-    def update_with_sinks(self, k: torch.Tensor, v: torch.Tensor):
-        """`update`, plus the sinks: returns (keys, values, absolute position of keys[0] or None when the keys
-        are in ring slot order, prefix keys, prefix values). The prefix holds the sink tokens that are not
-        among the returned keys (they left the window), so every query sees them."""
-        S, T, seen = self.sinks, k.shape[2], self.seen
-        if seen < S:  # the first S tokens are recorded once, as they arrive
-            take = min(S - seen, T)
-            new_k, new_v = k[:, :, :take].clone(), v[:, :, :take].clone()
-            self.sink_k = new_k if self.sink_k is None else torch.cat([self.sink_k, new_k], dim=2)
-            self.sink_v = new_v if self.sink_v is None else torch.cat([self.sink_v, new_v], dim=2)
-        if T == 1 and self.full:
-            key_start, first = None, seen + 1 - self.window  # the ring after the write: positions seen+1-W .. seen
-        else:
-            held = 0 if self.k is None else self.k.shape[2]
-            key_start = first = seen - held
-        n = max(0, min(first, S))
-        keys, values = self.update(k, v)
-        if n == 0:
-            return keys, values, key_start, None, None
-        return keys, values, key_start, self.sink_k[:, :, :n], self.sink_v[:, :, :n]
-
-    @property
-    def seq_len(self) -> int:
-        return self.seen
-
-    @property
-    def full(self) -> bool:
-        return self.k is not None and self.k.shape[2] == self.window
-
-    def ordered(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Held keys/values oldest first (a copy once the ring has wrapped)."""
-        if not self.full or self.seen % self.window == 0:
-            return self.k, self.v
-        shift = -(self.seen % self.window)  # the oldest held token sits in slot seen % W
-        return self.k.roll(shift, dims=2), self.v.roll(shift, dims=2)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add new (B, Hkv, t, D) keys/values. Returns the keys/values to attend over:
-
-        - one token into a full ring: the ring itself after the write (slot order, not time order: every
-          held key is inside the new query's window, and softmax does not care about key order);
-        - otherwise: the held tokens oldest first, then the new ones (the caller applies the band mask).
-        """
-        W, T = self.window, k.shape[2]
-        if T == 1 and self.full:
-            slot = self.seen % W
-            self.k[:, :, slot] = k[:, :, 0]
-            self.v[:, :, slot] = v[:, :, 0]
-            self.seen += 1
-            return self.k, self.v
-        old_k, old_v = self.ordered()
-        k_all = k if old_k is None else torch.cat([old_k, k], dim=2)
-        v_all = v if old_v is None else torch.cat([old_v, v], dim=2)
-        self.seen += T
-        # keep the last W tokens in slot order; roll/clone copy, so the ring never pins a larger tensor
-        # (e.g. the fused qkv projection the new keys are views of)
-        shift = self.seen % W if k_all.shape[2] >= W else 0
-        self.k = k_all[:, :, -W:].roll(shift, dims=2)
-        self.v = v_all[:, :, -W:].roll(shift, dims=2)
-        return k_all, v_all
+from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache
+from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, Mixer, causal_attended, dtype_bytes,
+                                 validate_conv)
 
 
 @dataclass
@@ -220,6 +79,12 @@ class Attention(Mixer):
     window: Optional[int] = None  # sliding-window subclasses set this
     sinks: int = 0  # and this (attention sinks)
     context_parallel = True  # ring attention (forward_context_parallel)
+    full_causal_attention = True  # every past key: the zigzag layout balances the ring
+    kernel_family = "softmax"
+    kv_quantizable = True  # a plain KVCache (new_cache / cache_bytes take kv_format)
+    bidirectional = True  # causal=false through project() / output() (the encoder, cross-attention kinds)
+    linearize_source = True  # q/k/v/o seed a linear mixer (training/linearize.py)
+    hf_layer = HF_FULL_ATTENTION  # Llama / Qwen2 / Qwen3 / Mixtral, Qwen3-Next's attention layers
 
     def __init__(self, cfg: AttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
@@ -359,6 +224,13 @@ class Attention(Mixer):
             kv = kv_format.kv_bytes(context_len, batch, self.n_kv_heads, self.head_dim, dtype)
         return kv + self.input_conv_bytes(batch, dtype)
 
+    @classmethod
+    def hf_mixer_config(cls, c: dict, *, qkv_bias: bool, out_bias: bool) -> dict:
+        """mha, mqa or gqa by config.json's K/V heads (num_key_value_heads, all / one / some)."""
+        kv, h = c.get("num_key_value_heads") or c["num_attention_heads"], c["num_attention_heads"]
+        name = "mha" if kv == h else "mqa" if kv == 1 else "gqa"
+        return {"name": name, "qkv_bias": qkv_bias, "out_bias": out_bias}
+
     def layer_shape(self) -> dict:
         out = super().layer_shape()
         if self.q_norm is not None:
@@ -436,6 +308,12 @@ class SlidingWindowAttention(Attention):
     """GQA restricted to the last W keys. Prefill: band-masked SDPA in query blocks (O(T * W));
     decode: a `SlidingWindowCache` ring buffer that never holds more than W tokens."""
 
+    full_causal_attention = False  # W keys per query: equal work per contiguous shard, one ring hop
+    kernel_family = "window"
+    kv_quantizable = False  # its own ring cache
+    bidirectional = False  # causal only (SlidingWindowConfig.validate)
+    hf_layer = HF_SLIDING_ATTENTION  # Mistral, Mixtral with a window
+
     def __init__(self, cfg: SlidingWindowConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.window = cfg.window
@@ -462,6 +340,23 @@ class SlidingWindowAttention(Attention):
 
     def attend_alone(self, q, k, v) -> torch.Tensor:
         return self.sink_attention(q, k, v, 0, 0) if self.sinks else super().attend_alone(q, k, v)
+
+    def dispatch_family(self) -> str:
+        # sinks run their own masked forward; flex has no dropout
+        return "other" if self.sinks or self.dropout else self.kernel_family
+
+    @classmethod
+    def check_seq_len(cls, cfg: SlidingWindowConfig, seq_len: int, field: str) -> None:
+        """Fewer sinks than the sequence, or every token would be a sink (full attention, each token cached twice:
+        in the window's ring and beside it)."""
+        sinks = cfg.sink_tokens
+        if sinks >= seq_len and sinks != 0:
+            raise ConfigError(f"{sinks} sink tokens cover the whole data.seq_len={seq_len}; allowed: 0 .. {seq_len - 1}",
+                              field=f"{field}.sink_tokens")
+
+    @classmethod
+    def hf_mixer_config(cls, c: dict, *, window: int, qkv_bias: bool, out_bias: bool) -> dict:
+        return {"name": "sliding_window", "window": int(window), "qkv_bias": qkv_bias, "out_bias": out_bias}
 
     def attend(self, q, k, v, q_offset: int) -> torch.Tensor:
         if self.impl == "reference" or (q.shape[2] == 1 and k.shape[2] <= self.window):

@@ -52,6 +52,30 @@ class Mixer(nn.Module):
     # forward with cache=None under `parallel.sharded` must equal the full-sequence forward on its tokens
     context_parallel: bool = False
 
+    # ---- what the rest of the package asks a mixer class (never its name); tests/test_mixer_knowledge.py
+    # checks each is set consistently
+    # context parallelism (distributed/context_parallel.resolve_layout): causal softmax over the whole past, so
+    # a contiguous shard's work grows with its position and the `auto` layout is zigzag (equal work per rank)
+    full_causal_attention: bool = False
+    # ops/dispatch.py: the kernel family a call is dispatched by (one of dispatch.FAMILY_NAMES); a layer whose
+    # settings the fast kernel does not cover narrows it to "other" (`dispatch_family`)
+    kernel_family: str = "other"
+    # inference KV formats (mixers/kv_quant.py): the cache is a plain `KVCache` read through `update` only, so
+    # bf16 / KIVI int8 / int4 storage applies (`new_cache` / `cache_bytes` take `kv_format=`)
+    kv_quantizable: bool = False
+    # models/encoder_decoder.py: runs bidirectionally (config causal=false) over a key padding mask through
+    # `project()` / `output()`, and its config's `kv_heads(model)` gives its K/V heads: a kind of encoder
+    # self-attention and of cross-attention
+    bidirectional: bool = False
+    # training/linearize.py (LoLCATs): softmax attention whose q/k/v/o projections can seed a linear mixer
+    # (`linearize_source`), and the fixed-state mixers it can become (`linearize_target`; `linearize_sizes`)
+    linearize_source: bool = False
+    linearize_target: bool = False
+    # interop/hf: the transformers decoder layer this mixer is exactly equivalent to (one of HF_LAYERS; its
+    # config section from a config.json: `hf_mixer_config`), or None with the reason in `hf_missing`
+    hf_layer: Optional[str] = None
+    hf_missing: str = "this mixer has no transformers causal-LM counterpart"
+
     def __init__(self, cfg: Any, model_cfg: Any, layer_idx: int):
         super().__init__()
         self.cfg = cfg
@@ -142,6 +166,38 @@ class Mixer(nn.Module):
 
     def flops_per_token(self, context_len: int) -> float:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ what other parts ask the class
+    def dispatch_family(self) -> str:
+        """The kernel family of this built layer (ops/dispatch.py): `kernel_family`, narrowed to "other" by a
+        subclass where the fast kernel does not cover this layer's settings."""
+        return self.kernel_family
+
+    @classmethod
+    def check_seq_len(cls, cfg: Any, seq_len: int, field: str) -> None:
+        """Refuse (one-line ConfigError naming `field`.<key>) a mixer config `cfg` that cannot train on
+        sequences of `seq_len` tokens (data.seq_len); `field` is the layer's mixer path. Default: any length."""
+
+    @classmethod
+    def linearize_sizes(cls, n_heads: int, head_dim: int) -> dict:
+        """(linearize_target mixers) this mixer's config keys that size it like an attention layer of
+        `n_heads` heads of `head_dim`, so its q/k/v/o take the attention's projections."""
+        raise NotImplementedError(f"{cls.__name__} is not a linearize target")
+
+    @classmethod
+    def hf_mixer_config(cls, c: dict, **options: Any) -> dict:
+        """(hf_layer mixers) the attnzoo mixer section equivalent to the layer a transformers config.json `c`
+        describes; `options`: what the architecture decides for the layer (e.g. qkv_bias, window)."""
+        raise NotImplementedError(f"{cls.__name__} has no transformers counterpart")
+
+
+# transformers decoder-layer kinds (`Mixer.hf_layer`), in transformers' own `layer_types` words where it has them
+HF_FULL_ATTENTION = "full_attention"  # Llama, Qwen2 / Qwen3 (-MoE), Mixtral; Qwen3-Next's attention layers
+HF_SLIDING_ATTENTION = "sliding_attention"  # Mistral (and Mixtral) with a window
+HF_LINEAR_ATTENTION = "linear_attention"  # Qwen3-Next's Gated DeltaNet layers
+HF_LATENT_ATTENTION = "latent_attention"  # DeepSeek-V3's MLA (transformers names no layer type for it)
+HF_LAYERS = (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, HF_LINEAR_ATTENTION, HF_LATENT_ATTENTION)
+HF_WINDOW_FIELD = "sliding_window"  # config.json's window size (Mistral, Mixtral; null in Qwen2 / Qwen3)
 
 
 def validate_conv(cfg: Any, field: str) -> None:

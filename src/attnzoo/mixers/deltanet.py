@@ -26,7 +26,7 @@ from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
 from attnzoo.ops.dispatch import compute_dtype, mixer_kernel
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import validate_conv
+from attnzoo.mixers.base import HF_LINEAR_ATTENTION, validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, l2norm, upcast
 
 
@@ -72,6 +72,8 @@ class GatedDeltaNetConfig(DeltaNetConfig):
 
 class DeltaNet(RecurrentMixer):
     gated = False
+    hf_missing = ("ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
+                  "gated_deltanet)")
 
     def __init__(self, cfg: DeltaNetConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
@@ -93,6 +95,10 @@ class DeltaNet(RecurrentMixer):
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             for p in (self.A_log, self.dt_bias):
                 p._no_weight_decay = True  # fla convention: optimizers may skip decay on these
+
+    @classmethod
+    def linearize_sizes(cls, n_heads: int, head_dim: int) -> dict:
+        return {"n_heads": n_heads, "n_v_heads": n_heads, "head_dim": head_dim, "v_head_dim": head_dim}
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """log-decay g = -exp(A_log) * softplus(W_a x + dt_bias) <= 0, (B, T, Hv) in >= fp32."""
@@ -139,6 +145,16 @@ class DeltaNet(RecurrentMixer):
 
 class GatedDeltaNet(DeltaNet):
     gated = True
+    hf_layer = HF_LINEAR_ATTENTION  # Qwen3-Next's linear layers
+
+    @classmethod
+    def hf_mixer_config(cls, c: dict) -> dict:
+        """Qwen3-Next's linear_* fields: SiLU-activated short conv without bias, gated RMSNorm (eps rms_norm_eps)."""
+        return {"name": "gated_deltanet", "n_heads": c["linear_num_key_heads"],
+                "n_v_heads": c["linear_num_value_heads"], "head_dim": c["linear_key_head_dim"],
+                "v_head_dim": c["linear_value_head_dim"], "conv_size": c["linear_conv_kernel_dim"],
+                "conv_bias": False, "qkv_activation": "silu", "use_output_norm": True, "use_gate": True,
+                "norm_eps": c["rms_norm_eps"]}
 
 
 register_mixer("deltanet", DeltaNetConfig)(DeltaNet)

@@ -16,8 +16,9 @@
               are tokens [jG, (j+1)G) counted from position 0; group j is quantized once, on the call that
               brings n to R + (j+1)G or past it (all of its tokens have left the last R), never again.
 
-Which layers: mha / gqa / mqa (`KV_QUANT_MIXERS`, the layers whose cache is a `KVCache`). Every other
-mixer keeps its own cache, bytes unchanged: sliding-window ring, MLA latents, recurrent states.
+Which layers: those whose mixer class sets `kv_quantizable` (mha / gqa / mqa: a plain `KVCache`, read through
+`update` only). Every other mixer keeps its own cache, bytes unchanged: sliding-window ring, MLA latents,
+recurrent states.
 
 Attention over the cache: a call's own new keys/values are used as computed; the held past is read as
 stored (quantized tokens dequantized). A single prefill therefore equals the full forward exactly, and the
@@ -47,18 +48,18 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.mixers.attention import KVCache
+from attnzoo.config.registry import MIXERS
+from attnzoo.mixers.attention_cache import KVCache
 from attnzoo.mixers.base import dtype_bytes
 
 KV_CACHE_DTYPES = ("fp32", "bf16", "int8", "int4")
-KV_QUANT_MIXERS = ("mha", "gqa", "mqa")  # the mixers whose cache is a KVCache (read through `update` only)
 CONFIG_FIELDS = ("inference.kv_cache_dtype", "inference.kv_group_size", "inference.kv_residual")
 SCALE_DTYPE = torch.float16  # KIVI's choice: 2 bytes per scale and per zero
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How mha/gqa/mqa layers store keys and values at inference (module docstring)."""
+    """How the kv_quantizable layers (mha / gqa / mqa) store keys and values at inference (module docstring)."""
 
     dtype: str = "fp32"  # fp32 | bf16 | int8 | int4
     group_size: int = 32  # G: tokens per key group, channels per value group
@@ -118,8 +119,13 @@ class KVFormat:
 
 
 def quantizes(mixer) -> bool:
-    """Whether `mixer`'s cache takes a KV format (mha / gqa / mqa)."""
-    return getattr(getattr(mixer, "cfg", None), "name", None) in KV_QUANT_MIXERS
+    """Whether `mixer`'s cache takes a KV format (its class is `kv_quantizable`)."""
+    return mixer.kv_quantizable
+
+
+def quantized_names() -> list[str]:
+    """The registered mixers whose caches a KV format stores (sorted)."""
+    return [n for n in MIXERS.names() if MIXERS.get(n).cls.kv_quantizable]
 
 
 def format_kwargs(mixer, kv_format: Optional[KVFormat]) -> dict:
@@ -133,18 +139,19 @@ def coverage(fmt: KVFormat, layer_mixers: list[str], seq_len: Optional[int], fie
     sequences (None: any length, as in generation), in words ('' for fp32): which layers it stores and which
     keep their own caches, and (int8 / int4) how many tokens are held quantized at the end of a sequence. A
     one-line ConfigError where it would change nothing, so no run reports a "+0.0000" cost of a format that
-    was never applied: no mha / gqa / mqa layer, or a full-precision window R + G that covers the whole
+    was never applied: no kv_quantizable layer, or a full-precision window R + G that covers the whole
     sequence (the first group is quantized once R + G tokens are held; only tokens after it read it back)."""
     if fmt.dtype == "fp32":
         return ""
     f_dtype, f_group, f_res = fields
     n = len(layer_mixers)
-    quantized = [i for i, name in enumerate(layer_mixers) if name in KV_QUANT_MIXERS]
-    kept = sorted({name for name in layer_mixers if name not in KV_QUANT_MIXERS})
+    quantized = [i for i, name in enumerate(layer_mixers) if MIXERS.get(name).cls.kv_quantizable]
+    kept = sorted({layer_mixers[i] for i in range(n) if i not in quantized})
     if not quantized:
-        raise ConfigError(f"{fmt.dtype} stores the KV caches of {' / '.join(KV_QUANT_MIXERS)} layers, and none of this "
-                          f"model's {n} layers is one ({', '.join(kept)}: own caches, unchanged); allowed: fp32, or "
-                          f"a model with an mha / gqa / mqa layer", field=f_dtype)
+        names = " / ".join(quantized_names())
+        raise ConfigError(f"{fmt.dtype} stores the KV caches of {names} layers, and none of this model's {n} layers "
+                          f"is one ({', '.join(kept)}: own caches, unchanged); allowed: fp32, or a model with a "
+                          f"{names} layer", field=f_dtype)
     R, G = fmt.residual, fmt.group_size
     if fmt.bits is not None and seq_len is not None and seq_len <= R + G:
         raise ConfigError(f"{R} full-precision tokens (+ a group of {G}) cover the whole {seq_len}-token sequence "

@@ -75,6 +75,8 @@ class LinearAttentionConfig:
 
 @register_mixer("linear_attention", LinearAttentionConfig)
 class LinearAttention(RecurrentMixer):
+    hf_missing = "linear attention (no softmax) has no transformers causal-LM counterpart"
+
     def __init__(self, cfg: LinearAttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         h = cfg.n_heads or model_cfg.n_heads
@@ -90,6 +92,10 @@ class LinearAttention(RecurrentMixer):
             conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, activation=cfg.qkv_activation,
             output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps,
         )
+
+    @classmethod
+    def linearize_sizes(cls, n_heads: int, head_dim: int) -> dict:
+        return {"n_heads": n_heads, "feature_dim": head_dim, "head_dim": head_dim}
 
     def mix(self, q, k, v, x, state, mode, resets=None):
         q, k = feature_map(q, self.cfg.feature_map), feature_map(k, self.cfg.feature_map)

@@ -34,7 +34,7 @@ from attnzoo.distributed import context_parallel as parallel
 from attnzoo.ops.attention import attention_mask, attention_reference, attention_sdpa
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import Mixer, causal_attended, dtype_bytes, validate_conv
+from attnzoo.mixers.base import HF_LATENT_ATTENTION, Mixer, causal_attended, dtype_bytes, validate_conv
 
 
 class LatentCache(LayerCache):
@@ -118,6 +118,10 @@ class MLAConfig:
 @register_mixer("mla", MLAConfig)
 class MLA(Mixer):
     context_parallel = True  # ring attention over the expanded K/V (forward)
+    full_causal_attention = True  # every past key: the zigzag layout balances the ring
+    kernel_family = "latent"
+    hf_layer = HF_LATENT_ATTENTION  # DeepSeek-V3
+
     def __init__(self, cfg: MLAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         s = cfg.sizes(model_cfg)
@@ -143,6 +147,14 @@ class MLA(Mixer):
         # ordinary heads); without RoPE in the model it is just a shared, position-free key part
         self.rope = rotary_from_config(pos, self.dr, model_cfg.max_seq_len, rotary_fraction=1.0)
         self.build_input_conv(cfg.conv_size, cfg.conv_bias)
+
+    @classmethod
+    def hf_mixer_config(cls, c: dict) -> dict:
+        """DeepSeek-V3's attention fields; its q/kv latent RMSNorms use eps 1e-6."""
+        return {"name": "mla", "q_lora_rank": c.get("q_lora_rank"), "kv_lora_rank": c["kv_lora_rank"],
+                "qk_nope_head_dim": c["qk_nope_head_dim"], "qk_rope_head_dim": c["qk_rope_head_dim"],
+                "v_head_dim": c["v_head_dim"], "rope_interleave": bool(c.get("rope_interleave", True)),
+                "bias": bool(c.get("attention_bias", False)), "norm_eps": 1e-6}
 
     # ------------------------------------------------------------------ projections
     def _rotate(self, x: torch.Tensor, cos_sin) -> torch.Tensor:

@@ -74,6 +74,20 @@ class MoBAConfig(AttentionConfig):
 class MixtureOfBlockAttention(Attention):
     SHAPE_FIELDS = Attention.SHAPE_FIELDS + ("block_size", "topk")
     context_parallel = False  # top-k block selection over the whole past: no ring form here
+    full_causal_attention = False
+    kernel_family = "block_sparse"
+    kv_quantizable = False  # its cache keeps block means beside the keys
+    bidirectional = False  # causal only
+    linearize_source = False
+    hf_layer = None
+    hf_missing = "mixture-of-block attention has no transformers causal-LM counterpart"
+
+    @classmethod
+    def check_seq_len(cls, cfg, seq_len: int, field: str) -> None:
+        """Training sequences are whole blocks."""
+        if seq_len % cfg.block_size:
+            raise ConfigError(f"{cfg.block_size} does not divide data.seq_len={seq_len}; allowed: a divisor of "
+                              f"{seq_len}", field=f"{field}.block_size")
 
     # block selection follows absolute block boundaries: packed documents run alone (Mixer.forward_packed)
     packing = "gather"

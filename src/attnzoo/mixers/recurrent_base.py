@@ -17,6 +17,7 @@ from torch import nn
 
 from attnzoo.distributed import context_parallel as parallel
 from attnzoo.layers.kv_cache import LayerCache
+from attnzoo.ops.dispatch import FLA_MAX_KEY_DIM
 from attnzoo.ops.packing import masked_conv
 from attnzoo.mixers.base import Mixer, dtype_bytes
 from attnzoo.mixers.short_conv import ShortConvolution
@@ -74,6 +75,8 @@ class RecurrentMixer(Mixer):
     """Subclasses call `build(...)` from __init__ and implement `mix(q, k, v, x, state, mode)`."""
 
     context_parallel = True  # state passing (mode "cp")
+    kernel_family = "linear"
+    linearize_target = True  # a fixed-size state that linearize can distil an attention layer into
 
     def build(
         self,
@@ -99,6 +102,10 @@ class RecurrentMixer(Mixer):
         self.norm = GatedRMSNorm(v_dim, norm_eps) if output_norm else None
         self.g_proj = nn.Linear(self.d_model, n_v_heads * v_dim, bias=False) if output_gate else None
         self.o_proj = nn.Linear(n_v_heads * v_dim, self.d_model, bias=False)
+
+    def dispatch_family(self) -> str:
+        # fla's chunk kernels take key / feature sizes up to FLA_MAX_KEY_DIM
+        return "other" if max(self.state_shape[0], self.qk_dim) > FLA_MAX_KEY_DIM else self.kernel_family
 
     # ------------------------------------------------------------------ forward
     def mix(self, q, k, v, x, state: Optional[torch.Tensor], mode: str, resets: Optional[torch.Tensor] = None):

@@ -30,7 +30,7 @@ from torch import nn
 from attnzoo.layers.kv_cache import LayerCache, ModelCache
 from attnzoo.config.schema import ConfigError, ModelConfig, check, check_choice, layer_mixer_configs, resolve_model
 from attnzoo.layers.ffn import build_ffn
-from attnzoo.mixers.attention import Attention, AttentionConfig
+from attnzoo.mixers.attention import Attention
 from attnzoo.mixers.base import dtype_bytes
 from attnzoo.models.decoder import residual
 from attnzoo.layers.norm import build_norm
@@ -54,8 +54,10 @@ class EncDecOptions:
 
     n_encoder_layers: Optional[int] = None  # null: model.n_layers
     n_decoder_layers: Optional[int] = None  # null: model.n_layers
-    encoder_attention: str = "mha"  # encoder self-attention kind: mha | gqa | mqa (gqa: model.n_kv_heads)
-    cross_attention: str = "mha"  # mha | gqa | mqa: K/V heads of the cross-attention over the memory
+    # encoder self-attention kind: a registered mixer whose class is `bidirectional` (mha | gqa | mqa; gqa:
+    # model.n_kv_heads K/V heads)
+    encoder_attention: str = "mha"
+    cross_attention: str = "mha"  # the same kinds: K/V heads of the cross-attention over the memory
     cross_kv_heads: Optional[int] = None  # gqa only; null: model.n_kv_heads
     attn_bias: bool = False  # biases on encoder self-attn and cross-attn projections (Marian/BART: true)
     share_embeddings: bool = True  # one token table for source and target (model.tie_embeddings ties the head)
@@ -70,21 +72,34 @@ class EncDecOptions:
         for name in ("n_encoder_layers", "n_decoder_layers"):
             v = getattr(self, name)
             check(v is None or v > 0, f"{field}.{name}", f"must be positive, got {v}")
-        check_choice(self.encoder_attention, f"{field}.encoder_attention", ("mha", "gqa", "mqa"))
-        check_choice(self.cross_attention, f"{field}.cross_attention", ("mha", "gqa", "mqa"))
+        kinds = attention_kinds()
+        check_choice(self.encoder_attention, f"{field}.encoder_attention", kinds)
+        check_choice(self.cross_attention, f"{field}.cross_attention", kinds)
         kv = self.cross_kv(cfg)
         divisors = [d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]
-        if self.encoder_attention == "gqa":
-            check(cfg.n_kv_heads > 0 and cfg.n_heads % cfg.n_kv_heads == 0, "model.n_kv_heads",
-                  f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}; allowed: {', '.join(map(str, divisors))}")
+        enc_kv = self.encoder_config().kv_heads(cfg)  # its config's K/V heads (model.n_kv_heads where it reads it)
+        check(enc_kv > 0 and cfg.n_heads % enc_kv == 0, "model.n_kv_heads",
+              f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={enc_kv}; allowed: {', '.join(map(str, divisors))}")
         check(kv > 0 and cfg.n_heads % kv == 0, f"{field}.cross_kv_heads",
               f"n_heads={cfg.n_heads} is not divisible by {kv}; allowed: {', '.join(map(str, divisors))}")
         check_choice(self.sinusoidal_layout, f"{field}.sinusoidal_layout", ("interleaved", "concat"))
         check(0.0 <= self.label_smoothing < 1.0, f"{field}.label_smoothing", "must be in [0, 1)")
         check(0.0 < self.mlm_prob < 1.0, f"{field}.mlm_prob", "must be in (0, 1)")
 
+    def encoder_config(self) -> Any:
+        """The encoder self-attention's mixer config: the kind's own, bidirectional, with attn_bias."""
+        return MIXERS.get(self.encoder_attention).config_cls(name=self.encoder_attention, causal=False,
+                                                             qkv_bias=self.attn_bias, out_bias=self.attn_bias)
+
     def cross_kv(self, cfg: ModelConfig) -> int:
-        return {"mha": cfg.n_heads, "mqa": 1}.get(self.cross_attention, self.cross_kv_heads or cfg.n_kv_heads)
+        """K/V heads of the cross-attention: what its kind's config gives (cross_kv_heads where it reads them)."""
+        kind = MIXERS.get(self.cross_attention).config_cls(name=self.cross_attention, n_kv_heads=self.cross_kv_heads)
+        return kind.kv_heads(cfg)
+
+
+def attention_kinds() -> list[str]:
+    """The kinds of encoder self-attention and cross-attention: registered mixers whose class is `bidirectional`."""
+    return [n for n in MIXERS.names() if MIXERS.get(n).cls.bidirectional]
 
 
 def split_config(node: Any, vocab_size: Optional[int] = None) -> tuple[ModelConfig, EncDecOptions]:
@@ -213,9 +228,9 @@ class _Residual(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_cfg: AttentionConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, attn_cfg: Any, layer_idx: int):
         super().__init__()
-        self.attn = Attention(attn_cfg, cfg, layer_idx)
+        self.attn = MIXERS.get(attn_cfg.name).cls(attn_cfg, cfg, layer_idx)
         self.ffn = build_ffn(cfg.ffn, cfg, layer_idx)
         self.sub_attn, self.sub_ffn = _Residual(cfg), _Residual(cfg)
 
@@ -272,8 +287,7 @@ class _Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: EncDecOptions, embed: nn.Embedding):
         super().__init__()
         n = opts.n_encoder_layers or cfg.n_layers
-        attn_cfg = AttentionConfig(name=opts.encoder_attention, causal=False, qkv_bias=opts.attn_bias,
-                                   out_bias=opts.attn_bias)
+        attn_cfg = opts.encoder_config()
         self.embed, self.scale = embed, math.sqrt(cfg.d_model) if opts.embed_scale else 1.0
         self.position = Positions(cfg, opts.sinusoidal_layout)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()

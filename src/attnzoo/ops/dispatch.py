@@ -1,16 +1,17 @@
 """Which kernel runs one mixer call: this package's torch ops, fla's Triton kernels, or flex_attention.
 
 `model.impl` (auto | torch | fla | flex) is the request; each call resolves it with `choose_kernel` from the
-mixer's family, the input's device and compute dtype, and what is installed. Nothing is cached on a module,
+mixer's family (its class's `kernel_family`, narrowed per layer by `Mixer.dispatch_family`), the input's
+device and compute dtype, and what is installed. Nothing is cached on a module,
 so a model built on the CPU and moved to a GPU (or back) picks its kernels anew on the next call.
 
     family          mixers                              CPU     CUDA, auto                      explicit fla / flex
     softmax         mha gqa mqa                         torch   torch (SDPA: flash in fp16/bf16) torch / torch
-    sliding_window  sliding_window (no sinks, dropout)  torch   flex if available, else torch    torch / flex
+    window          sliding_window (no sinks, dropout)  torch   flex if available, else torch    torch / flex
     block_sparse    moba nsa                            torch   torch                            torch / torch
     linear          linear_attention deltanet           torch   fla in fp16/bf16 if available,   fla (fp32: torch)
                     gated_deltanet (key size <= 256)            else torch                       / torch
-    mla             mla                                 torch   torch                            torch / torch
+    latent          mla                                 torch   torch                            torch / torch
     other           everything else (sinks, wide keys)  torch   torch                            torch / torch
 
 - `torch` is always this package's torch path (on CUDA, SDPA picks its flash backend for fp16/bf16 itself).
@@ -38,14 +39,9 @@ from attnzoo.config.errors import ConfigError, check_choice
 
 BACKENDS = ("torch", "fla", "flex")
 
-FAMILIES = {
-    "mha": "softmax", "gqa": "softmax", "mqa": "softmax",
-    "sliding_window": "sliding_window",
-    "moba": "block_sparse", "nsa": "block_sparse",
-    "linear_attention": "linear", "deltanet": "linear", "gated_deltanet": "linear",
-    "mla": "mla",
-}
-FAMILY_NAMES = ("softmax", "sliding_window", "block_sparse", "linear", "mla", "other")
+# the kernel families (a mixer class's `kernel_family`): softmax attention, a sliding window, block-sparse
+# attention, linear recurrences, latent (MLA) attention, and everything else
+FAMILY_NAMES = ("softmax", "window", "block_sparse", "linear", "latent", "other")
 
 FLA_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,21 +128,17 @@ def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dt
         return "torch"
     if family == "linear" and requested in ("auto", "fla") and fla_ok and dtype in FLA_DTYPES:
         return "fla"
-    if family == "sliding_window" and requested in ("auto", "flex") and flex_ok and dtype in FLEX_DTYPES:
+    if family == "window" and requested in ("auto", "flex") and flex_ok and dtype in FLEX_DTYPES:
         return "flex"
     return "torch"
 
 
 def family_of(mixer: Any) -> str:
-    """The dispatch family of a built mixer: its registered name, narrowed to "other" where the fast kernel
-    does not cover this layer's settings (sinks or dropout in a sliding window: the sinks go through their
-    own masked forward and flex has no dropout; key / feature sizes above fla's 256)."""
-    family = FAMILIES.get(getattr(getattr(mixer, "cfg", None), "name", None), "other")
-    if family == "sliding_window" and (getattr(mixer, "sinks", 0) or getattr(mixer, "dropout", 0.0)):
-        return "other"
-    if family == "linear" and max(getattr(mixer, "state_shape", (0,))[0], getattr(mixer, "qk_dim", 0)) > FLA_MAX_KEY_DIM:
-        return "other"
-    return family
+    """The dispatch family of a built mixer (`Mixer.dispatch_family`): its class's `kernel_family`, narrowed to
+    "other" where the fast kernel does not cover this layer's settings (sinks or dropout in a sliding window:
+    the sinks go through their own masked forward and flex has no dropout; key / feature sizes above fla's
+    FLA_MAX_KEY_DIM)."""
+    return mixer.dispatch_family()
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

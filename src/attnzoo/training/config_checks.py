@@ -14,6 +14,7 @@ from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, Tr
                      resolve_model, tagged)
 from attnzoo.data import DATAMODULES
 from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.config.registry import MIXERS
 from attnzoo.training.families import check_data, family_of
 
 
@@ -96,31 +97,21 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
               f"queries; allowed: >= {4 * pairs}")
 
 
-def _check_blocks(model: ModelConfig, data: Any) -> None:
-    """Block-sparse mixers (nsa, moba): training sequences are whole blocks."""
+def _check_seq_len(model: ModelConfig, data: Any) -> None:
+    """Each layer's mixer class refuses a training length it cannot take (`Mixer.check_seq_len`: e.g. the
+    block-sparse mixers' whole blocks, a sliding window's sinks fewer than the sequence)."""
     for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
-        bs = getattr(mixer, "block_size", None)
-        if bs and data.seq_len % bs:
-            raise ConfigError(f"{bs} does not divide data.seq_len={data.seq_len}; allowed: a divisor of "
-                              f"{data.seq_len}", field=f"model.layers[{i}].mixer.block_size")
-
-
-def _check_sinks(model: ModelConfig, data: Any) -> None:
-    """Attention sinks (sliding_window.sink_tokens): fewer than the sequence, or every token would be a sink
-    (full attention, each token cached twice: in the window's ring and beside it)."""
-    for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
-        sinks = getattr(mixer, "sink_tokens", 0)
-        check(sinks < data.seq_len or sinks == 0, f"model.layers[{i}].mixer.sink_tokens",
-              f"{sinks} sink tokens cover the whole data.seq_len={data.seq_len}; allowed: 0 .. {data.seq_len - 1}")
+        MIXERS.get(mixer.name).cls.check_seq_len(mixer, data.seq_len, f"model.layers[{i}].mixer")
 
 
 def _check_inference(inf: InferenceConfig, model: ModelConfig, data: Any) -> None:
     """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
-    is quantized: mha / gqa / mqa), decoder LMs only, and one that changes something at data.seq_len."""
-    from attnzoo.mixers.kv_quant import KV_QUANT_MIXERS, KVFormat, coverage
+    is quantized: its mixer class is `kv_quantizable`), decoder LMs only, and one that changes something at
+    data.seq_len."""
+    from attnzoo.mixers.kv_quant import KVFormat, coverage
 
     decoder = family_of(model).decoder_only
-    quantized = decoder and any(getattr(mc, "name", None) in KV_QUANT_MIXERS for mc in layer_mixer_configs(model))
+    quantized = decoder and any(MIXERS.get(mc.name).cls.kv_quantizable for mc in layer_mixer_configs(model))
     KVFormat.of(inf).check(head_dims=[model.head_dim] if quantized else [])
     if inf.kv_cache_dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
@@ -133,7 +124,6 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     """trainer.context_parallel: DDP, a decoder LM whose every layer has a sharded path, no attention dropout,
     and a sequence length that splits into the layout's equal segments, each longer than any conv tail."""
     from attnzoo.distributed.context_parallel import LAYOUTS, check_layout, resolve_layout
-    from attnzoo.config.registry import MIXERS
 
     cp = t.context_parallel
     check(isinstance(cp, int) and cp >= 1, "trainer.context_parallel", f"got {cp!r}; allowed: an integer >= 1")
@@ -299,8 +289,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_context_parallel(run.trainer, model, data)
     _check_packing(run, model, data)
     _check_memory(run, model)
-    _check_blocks(model, data)
-    _check_sinks(model, data)
+    _check_seq_len(model, data)
     _check_linearize(run.linearize, model)
     check(run.trainer.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", "must be >= 1")
     check_choice(

@@ -35,11 +35,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnzoo.config.schema import _merge, parse_pattern, resolve_model
 from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.config.registry import MIXERS
 from attnzoo.training.lit_lm import LitLM, lr_lambda
 from attnzoo.models.decoder import DecoderLM
 
-LINEAR_MIXERS = ("linear_attention", "deltanet", "gated_deltanet")  # the targets: a fixed-size recurrent state
-SOFTMAX_MIXERS = ("mha", "gqa", "mqa", "sliding_window")  # layers whose q/k/v/o can seed a linear mixer
 COPY_MODES = ("required", "where_possible", "none")
 PARTS = ("q", "k", "v", "o")
 
@@ -59,8 +58,8 @@ class LinearizeConfig:
     ce_weight: float = 0.0
 
     def validate(self) -> None:
-        check(self.mixer in LINEAR_MIXERS, "linearize.mixer",
-              f"unknown target mixer {self.mixer!r}; allowed: {', '.join(LINEAR_MIXERS)}")
+        check(self.mixer in targets(), "linearize.mixer",
+              f"unknown target mixer {self.mixer!r}; allowed: {', '.join(targets())}")
         check_choice(self.copy_weights, "linearize.copy_weights", COPY_MODES)
         check_choice(self.stage2_train, "linearize.stage2_train", ("all", "linear"))
         check(self.stage1_steps >= 0 and self.stage2_steps >= 0 and self.stage1_steps + self.stage2_steps > 0,
@@ -72,6 +71,16 @@ class LinearizeConfig:
         check(self.kl_weight >= 0 and self.ce_weight >= 0 and self.kl_weight + self.ce_weight > 0,
               "linearize.kl_weight", f"kl_weight={self.kl_weight}, ce_weight={self.ce_weight}; allowed: both >= 0, "
               f"one > 0")
+
+
+def targets() -> list[str]:
+    """The mixers an attention layer can become: their class is a `linearize_target` (a fixed-size state)."""
+    return [n for n in MIXERS.names() if MIXERS.get(n).cls.linearize_target]
+
+
+def sources() -> list[str]:
+    """The layers whose q/k/v/o can seed a target: their class is a `linearize_source` (softmax attention)."""
+    return [n for n in MIXERS.names() if MIXERS.get(n).cls.linearize_source]
 
 
 def options(node: Any) -> LinearizeConfig:
@@ -92,9 +101,7 @@ def teacher_section(model_section: dict) -> dict:
 def _student_mixer(name: str, extra: dict, teacher) -> dict:
     """A linear mixer sized like the teacher's attention (heads, head_dim), so q/k/v/o copy over; `extra`
     (linearize.mixer_options or a model.mixers entry) wins."""
-    D, H = teacher.head_dim, teacher.n_heads
-    sizes = ({"n_heads": H, "feature_dim": D, "head_dim": D} if name == "linear_attention" else
-             {"n_heads": H, "n_v_heads": H, "head_dim": D, "v_head_dim": D})
+    sizes = MIXERS.get(name).cls.linearize_sizes(teacher.n_heads, teacher.head_dim)
     return {**sizes, **extra, "name": name}
 
 
@@ -124,16 +131,16 @@ def plan_layers(section: dict, opts: LinearizeConfig) -> dict[int, tuple[str, di
                 continue
             given = dict(named.get(key) or {})
             name = given.pop("name", key)
-            if name not in LINEAR_MIXERS:
+            if name not in targets():
                 raise ConfigError(f"unknown target mixer {key!r} for layer {i}; allowed: {tname} (kept), "
-                                  f"{', '.join(LINEAR_MIXERS)}, or a model.mixers entry naming one", field="model.pattern")
+                                  f"{', '.join(targets())}, or a model.mixers entry naming one", field="model.pattern")
             plan[i] = (key, _student_mixer(name, {**dict(opts.mixer_options), **given}, teacher))
     if not plan:
         raise ConfigError(f"replaces no layer (every entry is the teacher's {tname}); allowed: a linear mixer "
-                          f"({', '.join(LINEAR_MIXERS)}) somewhere", field="model.pattern")
-    if tname not in SOFTMAX_MIXERS:
+                          f"({', '.join(targets())}) somewhere", field="model.pattern")
+    if not MIXERS.get(tname).cls.linearize_source:
         raise ConfigError(f"the imported model's layers are {tname}, not softmax attention; allowed: a model with "
-                          f"{', '.join(SOFTMAX_MIXERS)} layers", field="model.init_from")
+                          f"{', '.join(sources())} layers", field="model.init_from")
     return plan
 
 
@@ -201,7 +208,7 @@ def replaced_layers(student: DecoderLM, teacher: DecoderLM) -> list[int]:
 def copy_plan(attn, linear) -> tuple[list[str], dict[str, str]]:
     """Which of q, k, v, o an attention layer can hand to a linear mixer as they are (k/v heads repeated over
     their query group): (copied parts, {part: why not})."""
-    if getattr(attn.cfg, "name", None) not in SOFTMAX_MIXERS:
+    if not attn.linearize_source:
         return [], {p: f"the layer is {attn.cfg.name}, not softmax attention" for p in PARTS}
     H, D = attn.n_heads, attn.head_dim
     skip: dict[str, str] = {}

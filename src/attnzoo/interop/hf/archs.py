@@ -1,11 +1,17 @@
 """The transformers architectures attnzoo maps to, and `arch_for(model)`: which one is exactly equivalent to an
-attnzoo DecoderLM (one-line ConfigError naming the field that has none). Import and export both go through it."""
+attnzoo DecoderLM (one-line ConfigError naming the field that has none). Import and export both go through it.
+
+Which transformers layer a mixer is equivalent to is the mixer class's own knowledge (`Mixer.hf_layer`, or
+`hf_missing` saying why there is none; `hf_mixer_config` for import): `mixer_class` finds the class."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from attnzoo.config.errors import ConfigError
+from attnzoo.config.registry import MIXERS
+from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
+                                 Mixer)
 from attnzoo.models.decoder import DecoderLM
 
 FIELD = "model.init_from"
@@ -46,14 +52,16 @@ MISSING = {
     "gpt2": "Conv1D weights, a GELU MLP with biases and learned positions, a layout attnzoo does not map",
 }
 
-# attnzoo mixers with no transformers causal-LM equivalent, and why
-NO_EQUIVALENT = {
-    "linear_attention": "linear attention (no softmax) has no transformers causal-LM counterpart",
-    "deltanet": "ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
-                "gated_deltanet)",
-    "nsa": "native sparse attention has no transformers causal-LM counterpart",
-    "moba": "mixture-of-block attention has no transformers causal-LM counterpart",
-}
+
+
+def mixer_class(hf_layer: str) -> type[Mixer]:
+    """The registered mixer class equivalent to a transformers layer kind (`Mixer.hf_layer`)."""
+    return next(MIXERS.get(n).cls for n in MIXERS.names() if MIXERS.get(n).cls.hf_layer == hf_layer)
+
+
+def _hf_layer(mc) -> str | None:
+    """The transformers layer kind of a layer's mixer config (None: no equivalent)."""
+    return MIXERS.get(mc.name).cls.hf_layer
 
 
 # ----------------------------------------------------------------------------- the architecture of an attnzoo model
@@ -158,8 +166,9 @@ def arch_for(model) -> Arch:
     if cfg.norm.name != "rmsnorm":
         raise _no("model.norm.name", f"{cfg.norm.name} (the exported architectures use RMSNorm)")
     kinds = [m.name for m in model.layer_mixers]
+    layers = {_hf_layer(m) for m in model.layer_mixers}
     # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
-    hybrid = "gated_deltanet" in kinds and len(set(kinds)) == 2 and bool(set(kinds) & {"mha", "gqa", "mqa"})
+    hybrid = len(set(kinds)) == 2 and layers == {HF_LINEAR_ATTENTION, HF_FULL_ATTENTION}
     if len(set(kinds)) > 1 and not hybrid:
         raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer, or gated_deltanet "
                   f"with mha / gqa / mqa layers as Qwen3-Next)")
@@ -167,20 +176,22 @@ def arch_for(model) -> Arch:
         if len({repr(m) for m in model.layer_mixers if m.name == k}) > 1:
             raise _no("model.pattern", f"{k} layers configured differently (exported: one config per mixer kind)")
     if hybrid:
-        _check_qwen3_next_attention(cfg, next(m for m in model.layer_mixers if m.name != "gated_deltanet"))
-    mc = next(m for m in model.layer_mixers if m.name == "gated_deltanet") if hybrid else model.layer_mixers[0]
+        _check_qwen3_next_attention(cfg, next(m for m in model.layer_mixers if _hf_layer(m) == HF_FULL_ATTENTION))
+    mc = next(m for m in model.layer_mixers if _hf_layer(m) == HF_LINEAR_ATTENTION) if hybrid else model.layer_mixers[0]
     kind, ffn, field = mc.name, cfg.ffn.name, _mixer_field(cfg, mc)
-    if kind in NO_EQUIVALENT:
-        raise _no(f"{field}.name", f"{kind}: {NO_EQUIVALENT[kind]}")
+    cls = MIXERS.get(kind).cls
+    layer = cls.hf_layer
+    if layer is None:
+        raise _no(f"{field}.name", f"{kind}: {cls.hf_missing}")
     if ffn not in ("swiglu", "moe"):
         raise _no("model.ffn.name", f"{ffn} (the exported architectures have a SwiGLU or MoE FFN)")
-    if getattr(mc, "conv_size", 0) and kind != "gated_deltanet":
+    if getattr(mc, "conv_size", 0) and layer != HF_LINEAR_ATTENTION:
         raise _no(f"{field}.conv_size", f"{mc.conv_size}: a short conv in front of attention has no transformers "
                   f"counterpart")
     if getattr(mc, "softmax_scale", None) is not None:
         raise _no(f"{field}.softmax_scale", f"{mc.softmax_scale} (transformers scales by head_dim^-1/2)")
     mlp_bias = ffn == "swiglu" and cfg.ffn.bias
-    if kind in ("mha", "gqa", "mqa", "sliding_window"):
+    if layer in (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION):
         _check_rope(cfg, ("none", "linear", "llama3"))
         if cfg.position.rotary_fraction != 1.0:
             raise _no("model.position.rotary_fraction", f"{cfg.position.rotary_fraction} (Llama/Mistral rotate whole "
@@ -193,7 +204,7 @@ def arch_for(model) -> Arch:
             raise _no(f"{field}.output_gate", "true without gated_deltanet layers (Qwen3-Next's gated attention is "
                       "exported in a hybrid pattern with gated_deltanet)")
         if mc.qk_norm:  # Qwen3 / Qwen3-MoE: q/k RMSNorm on every head
-            if kind == "sliding_window":
+            if layer == HF_SLIDING_ATTENTION:
                 raise _no(f"{field}.qk_norm", "true with a sliding window (Qwen3's window applies above "
                           "max_window_layers only; exported with qk_norm: mha, gqa, mqa)")
             if mc.qkv_bias != mc.out_bias:
@@ -210,7 +221,7 @@ def arch_for(model) -> Arch:
                 raise _no(f"{field}.qkv_bias", "attention biases (Mixtral has none)")
             _check_moe(model, MIXTRAL)
             return MIXTRAL
-        if kind == "sliding_window":
+        if layer == HF_SLIDING_ATTENTION:
             if mc.qkv_bias or mc.out_bias or mlp_bias:
                 raise _no(f"{field}.qkv_bias", "biases (Mistral has none)")
             return MISTRAL
@@ -222,7 +233,7 @@ def arch_for(model) -> Arch:
             raise _no(f"{field}.out_bias", "true without qkv_bias (Llama biases all four projections, Qwen2 q/k/v "
                       "only)")
         return LLAMA
-    if kind == "mla":
+    if layer == HF_LATENT_ATTENTION:
         _check_rope(cfg, ("none",))
         if mc.norm_eps != 1e-6:
             raise _no(f"{field}.norm_eps", f"{mc.norm_eps} (DeepSeek-V3's latent RMSNorms use 1e-6)")
@@ -231,7 +242,7 @@ def arch_for(model) -> Arch:
         if ffn == "moe":
             _check_moe(model, DEEPSEEK_V3)
         return DEEPSEEK_V3
-    if kind == "gated_deltanet":
+    if layer == HF_LINEAR_ATTENTION:
         if cfg.position.name not in ("none", "rope"):
             raise _no("model.position.name", f"{cfg.position.name} embeddings (Qwen3-Next adds none)")
         if hybrid:
@@ -250,4 +261,5 @@ def arch_for(model) -> Arch:
         if ffn == "moe":
             _check_moe(model, QWEN3_NEXT)
         return QWEN3_NEXT
-    raise _no(f"{field}.name", f"{kind} (exported: mha, gqa, mqa, sliding_window, mla, gated_deltanet)")
+    exported = [n for n in MIXERS.names() if MIXERS.get(n).cls.hf_layer is not None]
+    raise _no(f"{field}.name", f"{kind} (exported: {', '.join(exported)})")

@@ -6,7 +6,9 @@ from typing import Any, Callable, Optional
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf.archs import (DEEPSEEK_V3, LLAMA, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, _dense_of, _moe_of,
-                    arch_for)
+                    arch_for, mixer_class)
+from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
+                                 HF_WINDOW_FIELD)
 
 
 # ----------------------------------------------------------------------------- import: config.json -> model section
@@ -58,11 +60,10 @@ def _base(c: dict, position: dict) -> dict:
 
 
 def _attention_mixer(c: dict, window: Optional[int], qkv_bias: bool, out_bias: bool) -> dict:
-    kv, h = c.get("num_key_value_heads") or c["num_attention_heads"], c["num_attention_heads"]
+    """The attention layer's mixer section: its mixer class's (`Mixer.hf_mixer_config`), windowed or full."""
     if window is not None:
-        return {"name": "sliding_window", "window": int(window), "qkv_bias": qkv_bias, "out_bias": out_bias}
-    name = "mha" if kv == h else "mqa" if kv == 1 else "gqa"
-    return {"name": name, "qkv_bias": qkv_bias, "out_bias": out_bias}
+        return mixer_class(HF_SLIDING_ATTENTION).hf_mixer_config(c, window=window, qkv_bias=qkv_bias, out_bias=out_bias)
+    return mixer_class(HF_FULL_ATTENTION).hf_mixer_config(c, qkv_bias=qkv_bias, out_bias=out_bias)
 
 
 def _check_full_attention(c: dict) -> None:
@@ -77,7 +78,7 @@ def _llama_like(c: dict) -> dict:
     mt = c["model_type"]
     window = None
     if mt == "mistral":
-        window = c.get("sliding_window")
+        window = c.get(HF_WINDOW_FIELD)
     elif mt == "qwen2" and c.get("use_sliding_window"):
         raise _refuse("use_sliding_window", "true (Qwen2's sliding window applies above max_window_layers only)")
     if mt != "mistral":
@@ -123,7 +124,7 @@ def _dense_prefix(c: dict) -> int:
 def _mixtral(c: dict) -> dict:
     _check_act(c)
     m = _base(c, _position_from_hf(c))
-    m["mixer"] = _attention_mixer(c, c.get("sliding_window"), False, False)
+    m["mixer"] = _attention_mixer(c, c.get(HF_WINDOW_FIELD), False, False)
     m["ffn"] = {"name": "moe", "n_experts": c["num_local_experts"], "top_k": c["num_experts_per_tok"],
                 "d_ff": c["intermediate_size"], "scoring": "softmax", "norm_topk_prob": True, "expert_type": "swiglu"}
     return m
@@ -139,10 +140,7 @@ def _deepseek_v3(c: dict) -> dict:
     h, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     m["n_kv_heads"] = h
     m["head_dim"] = None if c["hidden_size"] % h == 0 else qk  # MLA reads its own sizes below
-    m["mixer"] = {"name": "mla", "q_lora_rank": c.get("q_lora_rank"), "kv_lora_rank": c["kv_lora_rank"],
-                  "qk_nope_head_dim": c["qk_nope_head_dim"], "qk_rope_head_dim": c["qk_rope_head_dim"],
-                  "v_head_dim": c["v_head_dim"], "rope_interleave": bool(c.get("rope_interleave", True)),
-                  "bias": bool(c.get("attention_bias", False)), "norm_eps": 1e-6}  # HF's q/kv latent norms: eps 1e-6
+    m["mixer"] = mixer_class(HF_LATENT_ATTENTION).hf_mixer_config(c)
     k_dense = int(c.get("first_k_dense_replace", 0))
     if k_dense >= c["num_hidden_layers"] or not c.get("n_routed_experts"):
         m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
@@ -162,15 +160,11 @@ def _qwen3_next(c: dict) -> dict:
     `layer_types` has them: model.pattern tiles the shortest period of layer_types, [gdn, ..., attn]."""
     _check_act(c)
     types = list(c.get("layer_types") or [])
-    if "linear_attention" not in types or not set(types) <= {"linear_attention", "full_attention"}:
-        raise _refuse("layer_types", f"{sorted(set(types))} (imported: linear_attention layers, with or without "
-                      f"full_attention layers)")
-    gdn = {"name": "gated_deltanet", "n_heads": c["linear_num_key_heads"],
-           "n_v_heads": c["linear_num_value_heads"], "head_dim": c["linear_key_head_dim"],
-           "v_head_dim": c["linear_value_head_dim"], "conv_size": c["linear_conv_kernel_dim"],
-           "conv_bias": False, "qkv_activation": "silu", "use_output_norm": True, "use_gate": True,
-           "norm_eps": c["rms_norm_eps"]}
-    if "full_attention" not in types:
+    if HF_LINEAR_ATTENTION not in types or not set(types) <= {HF_LINEAR_ATTENTION, HF_FULL_ATTENTION}:
+        raise _refuse("layer_types", f"{sorted(set(types))} (imported: {HF_LINEAR_ATTENTION} layers, with or without "
+                      f"{HF_FULL_ATTENTION} layers)")
+    gdn = mixer_class(HF_LINEAR_ATTENTION).hf_mixer_config(c)
+    if HF_FULL_ATTENTION not in types:
         m = _base(c, {"name": "none"})  # the linear layers take no position
         m["mixer"] = gdn
     else:
@@ -185,7 +179,7 @@ def _qwen3_next(c: dict) -> dict:
         m["mixer"] = gdn
         m["mixers"] = {"gdn": gdn, "attn": {**_attention_mixer(c, None, bias, bias), "qk_norm": True,
                                              "output_gate": True}}
-        m["pattern"] = ["gdn" if t == "linear_attention" else "attn" for t in types[:period]]
+        m["pattern"] = ["gdn" if t == HF_LINEAR_ATTENTION else "attn" for t in types[:period]]
     E = int(c.get("num_experts") or 0)
     if E == 0:
         m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
@@ -267,7 +261,7 @@ def hf_config(model) -> dict:
     if arch is QWEN2:
         c.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
     if arch in (MISTRAL, MIXTRAL):
-        c["sliding_window"] = getattr(mc, "window", None)
+        c[HF_WINDOW_FIELD] = getattr(mc, "window", None)
     if arch is MIXTRAL:
         c.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k, router_jitter_noise=0.0,
                  output_router_logits=False)
@@ -286,12 +280,11 @@ def hf_config(model) -> dict:
                      n_shared_experts=f.n_shared_experts if moe.shared is not None else 0,
                      routed_scaling_factor=f.routed_scaling_factor, norm_topk_prob=f.norm_topk_prob)
     if arch is QWEN3_NEXT:
-        g = next(x for x in model.mixers if x.cfg.name == "gated_deltanet")
-        c.update(layer_types=["linear_attention" if x.name == "gated_deltanet" else "full_attention"
-                              for x in model.layer_mixers], linear_num_key_heads=g.n_qk_heads,
+        g = next(x for x in model.mixers if x.hf_layer == HF_LINEAR_ATTENTION)
+        c.update(layer_types=[x.hf_layer for x in model.mixers], linear_num_key_heads=g.n_qk_heads,
                  linear_num_value_heads=g.n_v_heads, linear_key_head_dim=g.qk_dim, linear_value_head_dim=g.v_dim,
                  linear_conv_kernel_dim=g.conv.kernel_size, decoder_sparse_step=1)
-        a = next((x for x in model.mixers if x.cfg.name != "gated_deltanet"), None)
+        a = next((x for x in model.mixers if x.hf_layer != HF_LINEAR_ATTENTION), None)
         if a is not None:  # the gated attention layers
             c.update(num_key_value_heads=a.n_kv_heads, attention_bias=a.cfg.qkv_bias)
             c["rope_parameters"]["partial_rotary_factor"] = float(cfg.position.rotary_fraction)

@@ -11,6 +11,7 @@ import torch
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf.archs import DEEPSEEK_V3, FIELD, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, Arch, arch_for
+from attnzoo.mixers.base import HF_LINEAR_ATTENTION
 
 
 # ----------------------------------------------------------------------------- reading a local directory
@@ -222,7 +223,7 @@ def _rules(model, arch: Arch) -> list:
         o, h = f"blocks.{i}.", f"model.layers.{i}."
         rules += [_same(o + "norm1.weight", h + "input_layernorm.weight", off),
                   _same(o + "norm2.weight", h + "post_attention_layernorm.weight", off)]
-        if arch is QWEN3_NEXT and block.mixer.cfg.name != "gated_deltanet":
+        if arch is QWEN3_NEXT and block.mixer.hf_layer != HF_LINEAR_ATTENTION:
             rules += _gated_attention_rules(block.mixer, o + "mixer.", h, off)
         else:
             rules += mixer_rules(block.mixer, o + "mixer.", h)
