@@ -27,8 +27,8 @@ HELP = ("Charts: hover a point for its job, overrides and metrics; drag to zoom,
 
 
 def views(rows: list[dict], field: str) -> list[tuple[str, list[int]]]:
-    """A table's filters: per swept value (an override in `field`, e.g. 'model/mixer=gqa') the rows holding it,
-    keys in the order the overrides name them, values in natural order; then the rows that did not finish."""
+    """A table's filters: the rows that did not finish, then per swept value (an override in `field`, e.g.
+    'model/mixer=gqa') the rows holding it, keys in the order the overrides name them, values in natural order."""
     members: dict[str, list[int]] = {}
     for i, j in enumerate(rows):
         for o in j.get(field, []):
@@ -37,7 +37,7 @@ def views(rows: list[dict], field: str) -> list[tuple[str, list[int]]]:
     out = sorted(((o, ix) for o, ix in members.items() if len(ix) < len(rows)),
                  key=lambda v: (keys.index(v[0].split("=", 1)[0]), sort_key(v[0].split("=", 1)[-1])))
     bad = [i for i, j in enumerate(rows) if j["status"] != "ok"]
-    return out + ([("not ok (failed or incomplete)", bad)] if 0 < len(bad) < len(rows) else [])
+    return ([("not ok (failed or incomplete)", bad)] if 0 < len(bad) < len(rows) else []) + out
 
 
 def figure_html(fig, div_id: str) -> str:
