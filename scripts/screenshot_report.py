@@ -11,6 +11,12 @@ tests/test_report_html.py builds them) and runs attnzoo-report on it: MQAR, 3 mi
 Needs chromium (`apt-get install -y chromium`; also found as chromium-browser or google-chrome). The page is
 laid out at --width in a window --height tall; the PNG shows the page down to there, the blank below the
 page's end cut off. `--virtual-time-budget` lets plotly.js finish drawing before the capture.
+
+`--check-menus` (with --demo) also runs the jobs table's menus in the browser, as a click would: plotly.js
+applies 'sort by val/acc (descending)' then 'show model/mixer=deltanet'; the script checks that the shown rows
+are that mixer's jobs in descending accuracy, drawn in that order, and that the failed job's empty cell sorts
+last; exit status 1 otherwise. (The suite checks the menus' Plotly specification without a browser:
+tests/test_report_html.py.)
 """
 from __future__ import annotations
 
@@ -114,6 +120,42 @@ def trim(png: Path, margin: int = 24) -> None:
         im.crop((0, 0, im.width, box[3] + margin)).save(png)
 
 
+PROBE = """<script>(async () => {
+  const gd = document.getElementById('table-all'), [sorts, shows] = gd.layout.updatemenus;
+  const col = gd.data[0].header.values.indexOf('<b>val/acc</b>');
+  await Plotly.restyle(gd, ...sorts.buttons.find(b => b.label === 'val/acc \u25bc').args);
+  await Plotly.restyle(gd, ...shows.buttons.find(b => b.label.startsWith('model/mixer=deltanet')).args);
+  const out = {visible: gd.data.map(t => t.visible), values: gd.data.map(t => t.cells.values[col]),
+               drawn: [...gd.querySelectorAll('.cell-text')].map(e => e.textContent)};
+  const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre); })();</script></body>"""
+
+
+def check_menus(html: Path, jobs: list[dict]) -> list[str]:
+    """Problems found when plotly.js runs the demo table's sort and show menus in headless chromium (none: [])."""
+    import re
+
+    probe = html.with_name("probe.html")
+    probe.write_text(html.read_text().replace("</body>", PROBE))
+    r = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                        "--dump-dom", probe.resolve().as_uri()], capture_output=True, text=True, timeout=180)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', r.stdout, re.S)
+    if not m:
+        return [f"the probe did not run: {r.stderr[-1000:]}"]
+    out = json.loads(m.group(1).replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
+    accs = sorted((j["metrics"]["val/acc"] for j in jobs if j["mixer"] == "deltanet"), reverse=True)
+    shown = [float(v) for v in out["values"][out["visible"].index(True)]]
+    drawn = [float(t) for t in out["drawn"] if re.fullmatch(r"0\.\d+", t)][:len(accs)]
+    problems = []
+    if any(abs(a - b) > 1e-4 for a, b in zip(shown, accs)) or len(shown) != len(accs):
+        problems.append(f"shown rows {shown} != deltanet's accuracies, descending {accs}")
+    if any(abs(a - b) > 1e-4 for a, b in zip(drawn, accs)) or len(drawn) != len(accs):
+        problems.append(f"drawn cells {drawn} != {accs}")
+    if out["values"][0][-1] != "":
+        problems.append("the failed job's empty cell does not sort last in the all-rows view")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("report", nargs="?", help="a report.html, or a sweep dir holding one")
@@ -121,11 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="report.png")
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--height", type=int, default=8000, help="the window's height; the PNG is cut below the page's end")
+    ap.add_argument("--check-menus", action="store_true", help="with --demo: run the table's menus in the browser")
     args = ap.parse_args(argv)
+    if args.check_menus and not args.demo:
+        ap.error("--check-menus needs --demo DIR")
     if args.demo:
         from attnzoo.analysis.report import build_report  # deferred: a screenshot of a given page needs no attnzoo
 
-        html = build_report(fake_sweep(Path(args.demo)))["files"]["html"]
+        rep = build_report(fake_sweep(Path(args.demo)))
+        html = rep["files"]["html"]
+        if args.check_menus:
+            problems = check_menus(Path(html), rep["jobs"])
+            print("menus: " + ("; ".join(problems) if problems else "sort and show work in the browser"))
+            if problems:
+                sys.exit(1)
     elif args.report:
         html = Path(args.report)
         html = html / "report.html" if html.is_dir() else html
