@@ -250,8 +250,9 @@ def fake_fla(monkeypatch):
                            ("fla.ops.simple_gla", "chunk_simple_gla", simple_gla)):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**{attr: fn}))
     monkeypatch.setattr(fla_kernels, "_check_dtype", lambda dtype: None)
-    for mod in ("attnzoo.mixers.deltanet", "attnzoo.mixers.linear_attention"):
-        monkeypatch.setattr(f"{mod}.mixer_kernel", lambda mixer, x: "fla" if mixer.kernel_request == "fla" else "torch")
+    # the recurrent mixers' one mode ladder (RecurrentMixer.recur) asks dispatch there
+    monkeypatch.setattr("attnzoo.mixers.recurrent_base.mixer_kernel",
+                        lambda mixer, x: "fla" if mixer.kernel_request == "fla" else "torch")
     return calls
 
 

@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.distributed import context_parallel as parallel
 from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
-from attnzoo.ops.dispatch import compute_dtype, mixer_kernel
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import HF_LINEAR_ATTENTION, validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, l2norm, upcast
@@ -116,22 +114,23 @@ class DeltaNet(RecurrentMixer):
         q, k, v, beta = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), beta.transpose(1, 2)
         g = None if g is None else g.transpose(1, 2)
         state = None if state is None else state.to(q.dtype)
-        if mode == "step":
-            o, state = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, None if g is None else g[:, :, 0])
-            o = o[:, :, None]
-        elif mode == "cp":  # the reference recurrence or the chunks, per shard, from the passed-in states
-            op = delta_rule_recurrent if self.impl == "reference" else chunk_delta_rule
-            kw = {} if self.impl == "reference" else {"chunk_size": self.chunk_size}
-            o = parallel.active().scan(lambda v_, s0, q_, k_, b_, g_: op(q_, k_, v_, b_, g_, s0, **kw), v, q, k, beta, g)
-        elif mode == "reference":
-            o, state = delta_rule_recurrent(q, k, v, beta, g, state)
-        elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
-            from attnzoo.ops.fla_kernels import fla_chunk_delta_rule
-
-            o, state = fla_chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, dtype=compute_dtype(x))
-        else:
-            o, state = chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, resets=resets)
+        o, state = self.recur(mode, x, state, resets, q, k, v, beta, g)
         return o.transpose(1, 2), state
+
+    # the delta rule's forms (ops/delta_rule.py); beta (B, H, T), g (B, H, T) log-decays or None (ungated)
+    def step_op(self, q, k, v, beta, g, *, state):
+        return delta_rule_step(q, k, v, beta, state, g)
+
+    def recurrent_op(self, q, k, v, beta, g, *, state):
+        return delta_rule_recurrent(q, k, v, beta, g, state)
+
+    def chunk_op(self, q, k, v, beta, g, *, state, resets=None):
+        return chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, resets=resets)
+
+    def fla_op(self, q, k, v, beta, g, *, state, dtype):
+        from attnzoo.ops.fla_kernels import fla_chunk_delta_rule  # fla / triton: imported on CUDA only
+
+        return fla_chunk_delta_rule(q, k, v, beta, g, state, chunk_size=self.chunk_size, dtype=dtype)
 
     def op_flops_per_token(self, context_len: int) -> float:
         """Chunkwise UT/WY form per value head, chunk C = min(chunk_size, L), per token:

@@ -20,9 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from attnzoo.distributed import context_parallel as parallel
 from attnzoo.config.errors import ConfigError, check_choice
-from attnzoo.ops.dispatch import compute_dtype, mixer_kernel
 from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import validate_conv
@@ -103,26 +101,25 @@ class LinearAttention(RecurrentMixer):
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         state = None if state is None else state.to(q.dtype)
-        if mode == "step":
-            o, state = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, self.scale)
-            o = o[:, :, None]
-        elif mode == "cp":  # per shard from the passed-in states (parallel.py)
-            if self.impl == "reference":
-                run = lambda v_, s0, q_, k_: linear_attention_recurrent(q_, k_, v_, s0, self.scale)  # noqa: E731
-            else:
-                run = lambda v_, s0, q_, k_: chunk_linear_attention(q_, k_, v_, s0, self.scale, self.chunk_size)  # noqa: E731
-            o = parallel.active().scan(run, v, q, k)
-        elif mode == "reference":
-            o, state = linear_attention_recurrent(q, k, v, state, self.scale)
-        elif resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
-            from attnzoo.ops.fla_kernels import fla_chunk_linear_attention
-
-            o, state = fla_chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, dtype=compute_dtype(x))
-        else:
-            o, state = chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, resets=resets)
+        o, state = self.recur(mode, x, state, resets, q, k, v)
         if self.normalize:
             o = o[..., :-1] / (o[..., -1:] + self.eps)
         return o.transpose(1, 2), state
+
+    # the forms of causal linear attention (ops/linear_attention.py), on the feature-mapped q, k
+    def step_op(self, q, k, v, *, state):
+        return linear_attention_step(q, k, v, state, self.scale)
+
+    def recurrent_op(self, q, k, v, *, state):
+        return linear_attention_recurrent(q, k, v, state, self.scale)
+
+    def chunk_op(self, q, k, v, *, state, resets=None):
+        return chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, resets=resets)
+
+    def fla_op(self, q, k, v, *, state, dtype):
+        from attnzoo.ops.fla_kernels import fla_chunk_linear_attention  # fla / triton: imported on CUDA only
+
+        return fla_chunk_linear_attention(q, k, v, state, self.scale, self.chunk_size, dtype=dtype)
 
     def op_flops_per_token(self, context_len: int) -> float:
         """Chunkwise form per head, chunk C = min(chunk_size, L), state Df x Dv' (Dv' = Dv + 1 when

@@ -3,9 +3,11 @@
     x -> qkv projection -> [short causal conv + activation] -> split q, k, v -> (subclass) recurrence
       -> [per-head RMSNorm] -> [* SiLU(output gate)] -> output projection
 
-and the fixed-size `RecurrentStateCache` (state + conv tail). Subclasses set the head sizes and
-implement `mix()`; the three forms of the recurrence (reference / chunkwise / one-token step) live in
-`ops/`. Not a mixer itself (no registration).
+and the fixed-size `RecurrentStateCache` (state + conv tail). Subclasses set the head sizes and implement
+`mix()`, which prepares its q / k / v (and gates) and calls `recur()`: the one ladder that picks the form of
+the recurrence for the mode (one-token step, the reference recurrence, fla's kernel, the chunkwise form, or a
+context-parallel scan), each form a subclass method over the ops in `ops/`. Not a mixer itself (no
+registration).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 
 from attnzoo.distributed import context_parallel as parallel
 from attnzoo.layers.kv_cache import LayerCache
-from attnzoo.ops.dispatch import FLA_MAX_KEY_DIM
+from attnzoo.ops.dispatch import FLA_MAX_KEY_DIM, compute_dtype, mixer_kernel
 from attnzoo.ops.packing import masked_conv
 from attnzoo.mixers.base import Mixer, dtype_bytes
 from attnzoo.mixers.short_conv import ShortConvolution
@@ -72,7 +74,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class RecurrentMixer(Mixer):
-    """Subclasses call `build(...)` from __init__ and implement `mix(q, k, v, x, state, mode)`."""
+    """Subclasses call `build(...)` from __init__, implement `mix(q, k, v, x, state, mode)` through `recur`, and
+    the forms of their recurrence: `step_op`, `recurrent_op`, `chunk_op`, `fla_op`."""
 
     context_parallel = True  # state passing (mode "cp")
     kernel_family = "linear"
@@ -115,6 +118,43 @@ class RecurrentMixer(Mixer):
         resets (B, T / chunk_size) bool, chunk mode only: the state is zero entering the marked chunks.
         Returns o (B, T, Hv, Dv) and the final state."""
         raise NotImplementedError
+
+    # the forms of the recurrence (subclass), on q, k (B, H, T, Dk), v (B, H, T, Dv) and the subclass's own per-token
+    # inputs (B, H, T, ...) or None, each returning (o (B, H, T, Dv), final state (B, H, Dk, Dv)); `step_op` on one
+    # token (the time dim dropped) returns o (B, H, Dv)
+    def step_op(self, q, k, v, *inputs, state):
+        raise NotImplementedError
+
+    def recurrent_op(self, q, k, v, *inputs, state):
+        """The per-token recurrence (the reference)."""
+        raise NotImplementedError
+
+    def chunk_op(self, q, k, v, *inputs, state, resets=None):
+        """The chunkwise-parallel form; `resets` (B, T / chunk_size): the state is zero entering the marked chunks."""
+        raise NotImplementedError
+
+    def fla_op(self, q, k, v, *inputs, state, dtype: torch.dtype):
+        """fla's chunk kernel computing in `dtype` (ops/fla_kernels.py; CUDA only)."""
+        raise NotImplementedError
+
+    def recur(self, mode: str, x: torch.Tensor, state: Optional[torch.Tensor], resets: Optional[torch.Tensor],
+              q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *inputs: Optional[torch.Tensor]):
+        """The recurrence over q, k, v and `inputs` (time at dim 2) in the form `mode` asks (see `mix`): the
+        one-token step; this rank's tokens of a context-parallel split (the reference or chunkwise form per shard,
+        from the states passed in: state None); the reference recurrence; fla's kernel where ops/dispatch.py picks
+        it for x (not with `resets`); else the chunkwise form. Returns (o (B, H, T, Dv), final state)."""
+        if mode == "step":
+            o, state = self.step_op(*(t if t is None else t[:, :, 0] for t in (q, k, v, *inputs)), state=state)
+            return o[:, :, None], state
+        if mode == "cp":
+            op = self.recurrent_op if self.impl == "reference" else self.chunk_op
+            run = lambda v_, s0, q_, k_, *rest: op(q_, k_, v_, *rest, state=s0)  # noqa: E731
+            return parallel.active().scan(run, v, q, k, *inputs), None
+        if mode == "reference":
+            return self.recurrent_op(q, k, v, *inputs, state=state)
+        if resets is None and mixer_kernel(self, x) == "fla":  # CUDA + fla-core + triton, fp16/bf16 (ops/dispatch.py)
+            return self.fla_op(q, k, v, *inputs, state=state, dtype=compute_dtype(x))
+        return self.chunk_op(q, k, v, *inputs, state=state, resets=resets)
 
     def _heads(self, qkv: torch.Tensor):
         """The (conv-ed) fused projection -> q, k (B, T, Hqk, Dqk), v (B, T, Hv, Dv) in >= fp32."""

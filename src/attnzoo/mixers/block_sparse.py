@@ -1,0 +1,130 @@
+"""What the block-sparse attention mixers share (nsa.py, moba.py): GQA's projections and RoPE, the keys split
+into blocks of `block_size`, each query attending to a data-dependent choice of blocks scored against the blocks'
+mean keys (ops/sparse_attention.py holds the math and the reference forms).
+
+- `BlockSparseConfig`: GQA's options, `block_size`, and the count of blocks a query sees (NSA's block_counts,
+  MoBA's topk: COUNT_FIELD), checked alike (at least COUNT_MIN, at most the blocks of model.max_seq_len); causal
+  only.
+- `BlockMeansCache`: the `KVCache` plus the mean key (and, for NSA, the mean value) of every complete block,
+  appended when the block's last token arrives.
+- `BlockSparseAttention`: the settings they share: no ring form, packed documents run alone, training sequences
+  of whole blocks, no transformers counterpart; `blocks()` projects and returns the keys and block means.
+Not a mixer itself (no registration).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.mixers.attention import Attention, AttentionConfig
+from attnzoo.mixers.attention_cache import KVCache
+from attnzoo.mixers.base import Mixer
+from attnzoo.ops.sparse_attention import block_means
+
+
+class BlockMeansCache(KVCache):
+    """KVCache (B, Hkv, T, D) plus k_mean, and with `values` v_mean, (B, Hkv, T // BS, D): the mean key / value of
+    every complete block, appended when its last token arrives."""
+
+    def __init__(self, block_size: int, values: bool) -> None:
+        super().__init__()
+        self.block_size, self.values = block_size, values
+        self.k_mean: Optional[torch.Tensor] = None
+        self.v_mean: Optional[torch.Tensor] = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        done = self.seq_len // self.block_size
+        k_all, v_all = super().update(k, v)
+        complete = k_all.shape[2] // self.block_size
+        if complete > done:
+            bs = self.block_size
+            new_k = block_means(k_all[:, :, done * bs: complete * bs], bs)
+            self.k_mean = new_k if self.k_mean is None else torch.cat([self.k_mean, new_k], dim=2)
+            if self.values:
+                new_v = block_means(v_all[:, :, done * bs: complete * bs], bs)
+                self.v_mean = new_v if self.v_mean is None else torch.cat([self.v_mean, new_v], dim=2)
+        return k_all, v_all
+
+    def means(self, like: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(k_mean, v_mean) of the complete blocks so far ((B, Hkv, 0, D), shaped as `like`, before the first);
+        v_mean None without `values`."""
+        if self.k_mean is None:
+            empty = like.new_zeros(like.shape[0], like.shape[1], 0, like.shape[3])
+            return empty, empty if self.values else None
+        return self.k_mean, self.v_mean
+
+
+@dataclass
+class BlockSparseConfig(AttentionConfig):
+    block_size: int = 16  # keys per block
+
+    # the subclass's field counting the blocks a query sees, its least value and why (not dataclass fields)
+    COUNT_FIELD = ""
+    COUNT_MIN = 1
+    COUNT_WHY = ""
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        if model.position.name == "alibi":
+            raise ConfigError(f"ALiBi is implemented for mha / gqa / mqa; allowed positions for {self.name}: rope, "
+                              f"none, sinusoidal, learned", field="model.position.name")
+        if self.block_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.block_size}", field=f"{field}.block_size")
+        count, key = getattr(self, self.COUNT_FIELD), f"{field}.{self.COUNT_FIELD}"
+        if count < self.COUNT_MIN:
+            raise ConfigError(f"must be >= {self.COUNT_MIN} ({self.COUNT_WHY}), got {count}", field=key)
+        blocks = -(-model.max_seq_len // self.block_size)
+        if count > blocks:
+            raise ConfigError(f"{count} exceeds the {blocks} blocks of model.max_seq_len={model.max_seq_len} (dense "
+                              f"everywhere); allowed: {self.COUNT_MIN}..{blocks}", field=key)
+        self.validate_own(model, field)
+        if not self.causal:
+            raise ConfigError(f"{self.name} is causal only; allowed: true", field=f"{field}.causal")
+
+    def validate_own(self, model, field: str) -> None:
+        """The subclass's other fields (called before the causal check)."""
+
+
+class BlockSparseAttention(Attention):
+    """An `Attention` whose queries see a data-dependent choice of key blocks; subclasses set `cache_values`
+    (their cache keeps the blocks' mean values too) and implement forward with `blocks()`."""
+
+    context_parallel = False  # top-k block selection over the whole past: no ring form here
+    full_causal_attention = False
+    kernel_family = "block_sparse"
+    kv_quantizable = False  # its cache keeps block means beside the keys
+    bidirectional = False  # causal only
+    linearize_source = False
+    hf_layer = None
+    cache_values = False
+
+    # block selection follows absolute block boundaries: packed documents run alone (Mixer.forward_packed)
+    packing = "gather"
+    forward_packed = Mixer.forward_packed
+
+    def __init__(self, cfg: BlockSparseConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        self.block_size = cfg.block_size
+
+    @classmethod
+    def check_seq_len(cls, cfg: BlockSparseConfig, seq_len: int, field: str) -> None:
+        """Training sequences are whole blocks."""
+        if seq_len % cfg.block_size:
+            raise ConfigError(f"{cfg.block_size} does not divide data.seq_len={seq_len}; allowed: a divisor of "
+                              f"{seq_len}", field=f"{field}.block_size")
+
+    def blocks(self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[BlockMeansCache]):
+        """x (the shifted input) -> q (B, H, T, D), every key / value so far (B, Hkv, S, D) (the cache updated), and
+        the mean key / value (None without `cache_values`) of their complete blocks (B, Hkv, S // BS, D)."""
+        q, k, v = self.project(x, positions)
+        if cache is not None:
+            k, v = cache.update(k, v)
+            return (q, k, v, *cache.means(k))
+        v_mean = block_means(v, self.block_size) if self.cache_values else None
+        return q, k, v, block_means(k, self.block_size), v_mean
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> BlockMeansCache:
+        return BlockMeansCache(self.block_size, values=self.cache_values)
