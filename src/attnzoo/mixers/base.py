@@ -1,8 +1,10 @@
 """The mixer contract: what every token mixer implements, and what the rest of the model assumes.
 
 A new mixer is one file in this package plus one yaml in conf/model/mixer/ (the yaml's values must equal
-the config dataclass's defaults: tests/test_families.py checks it). tests/test_mixers_contract.py applies
-the whole contract below to every registered mixer automatically.
+the config dataclass's defaults: tests/test_families.py checks it; tests/test_add_a_mixer.py adds a toy one and
+trains it with nothing else edited). tests/test_mixers_contract.py applies the whole contract below to every
+registered mixer automatically. What the rest of the package needs to know about a mixer it asks the class
+(the attributes below `context_parallel`), never the mixer's name (tests/test_mixer_knowledge.py).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Mixer(nn.Module):
       forward(x (B, T, d_model), *, positions (T,) absolute token positions, cache=None) -> (B, T, d_model).
           With a cache: continue from what the cache holds (any T >= 1: one-token decode and multi-token
           chunks on a non-empty cache must both equal the full forward), and update the cache in place.
-      new_cache(batch, max_len, dtype, device) -> a `cache.LayerCache` subclass. Every tensor it holds is
+      new_cache(batch, max_len, dtype, device) -> a `layers.kv_cache.LayerCache` subclass. Every tensor it holds is
           batch-first (beam search reorders dim 0 of every tensor attribute) and counted by `nbytes()`.
       cache_bytes(context_len, batch=1, dtype=torch.float32) -> int: the analytic bytes held after
           context_len tokens; must equal the cache's measured `nbytes()` after a real prefill.
@@ -45,6 +47,11 @@ class Mixer(nn.Module):
         and calls forward; mixers override it with a native form (`packing = "native"`): a document mask,
         state resets at document starts;
       - `layer_shape()` reports what the layer really is (heads, KV heads, sizes, state) for summaries.
+    What other parts ask the class (defaults here, overridden per mixer; each commented where it is declared):
+    `full_causal_attention` (context-parallel layout), `kernel_family` / `dispatch_family()` (kernel dispatch),
+    `kv_quantizable` (KV formats), `bidirectional` (encoder-decoder), `linearize_source` / `linearize_target` /
+    `linearize_sizes()` (linearize), `hf_layer` / `hf_missing` / `hf_mixer_config()` (transformers interop),
+    `check_seq_len()` (the training length).
     """
 
     impl: str = "fast"
@@ -122,6 +129,18 @@ class Mixer(nn.Module):
         return masked_conv(self.input_conv, x, documents.positions())
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[Any] = None) -> torch.Tensor:
+        """Mix the tokens of x (B, T, d_model) -> (B, T, d_model); a causal mixer's token t reads tokens <= t only.
+
+        positions (T,) int64: the absolute positions of x's tokens, cache.seq_len .. cache.seq_len + T - 1 when
+            continuing a cache, else 0 .. T - 1 (RoPE phases, ALiBi distances and masks read them).
+        cache: None for a plain (training / full-sequence) forward; else this layer's cache from `new_cache`,
+            holding what earlier calls left: the call continues from it for any T >= 1 (a one-token decode step
+            and a multi-token chunk both equal the full forward on all the tokens so far) and updates it in place.
+        Under a context-parallel split (`parallel.active()`, cache None) x holds this rank's tokens only; only
+        mixers that declare `context_parallel` are run so (training/config_checks refuses the others).
+        Refused (one-line ConfigError): an explicit model.impl=fla / flex on a tensor where it cannot run
+        (ops/dispatch.py). Not checked: a cache of another layer or positions that do not continue it (the
+        result is wrong, not an error); the config's checks (`validate`, `check_seq_len`) ran before building."""
         raise NotImplementedError
 
     # how forward_packed runs: "gather" = each document alone in a padded batch (any causal mixer), "native"
@@ -159,12 +178,27 @@ class Mixer(nn.Module):
         return out
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Any:
+        """An empty cache for `batch` sequences: this mixer's `LayerCache` subclass (layers/kv_cache.py), which
+        `forward(..., cache=)` fills. max_len: the longest context it is meant for (a hint: caches grow, or are
+        bounded / fixed-size; none refuses a longer context); dtype, device: of the cached values (recurrent
+        states are kept in at least fp32). Every tensor it holds is batch-first (beam search reorders dim 0 of
+        each) and counted by its `nbytes()`. `kv_quantizable` mixers also take `kv_format=` (mixers/kv_quant.py)."""
         raise NotImplementedError
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """The bytes this layer's cache holds after `context_len` (>= 0) tokens of `batch` sequences computed in
+        `dtype`, analytically: equal to the cache's measured `nbytes()` after a real prefill of that length
+        (tests/test_mixers_contract.py; docs/attention.md, "Cache bytes"). It grows with the context for a KV
+        cache, is bounded by the window for a sliding window and constant for a recurrent state, plus the short
+        conv's K-1 tail. `kv_quantizable` mixers take `kv_format=`. Nothing is refused."""
         raise NotImplementedError
 
     def flops_per_token(self, context_len: int) -> float:
+        """Forward FLOPs per token at context L = `context_len` (>= 1), averaged over positions 1..L, by the
+        project's convention (docs/attention.md, "FLOPs per token"): 2 per multiply-add, every projection, the
+        keys a query attends on average ((L + 1) / 2 causal, min(W, t) with a window), a chunked recurrence from
+        its own algorithm; softmax, norms, elementwise gates and the delta rule's triangular inverse not counted.
+        Training is 3x this. Checked against FlopCounterMode on the reference forms (tests/test_flops_exact.py)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ what other parts ask the class
