@@ -13,6 +13,7 @@ explicit softmax of ops/attention.py instead.
 
 `sliding_window` (Beltagy et al. 2020 Longformer; Jiang et al. 2023 Mistral) is a thin subclass: the same
 projections and RoPE, a band mask (query t sees keys t-W+1..t) and a ring-buffer cache of W tokens.
+The caches (`KVCache`, `SlidingWindowCache`) are in attention_cache.py, importable from here too.
 """
 from __future__ import annotations
 
