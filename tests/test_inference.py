@@ -87,7 +87,7 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     (before: U+FFFD for the incomplete bytes, then nothing more once the text stopped extending it)."""
     from types import SimpleNamespace
 
-    import attnzoo.models.decoder as model_mod
+    import attnzoo.inference.generate as generate_mod
     from attnzoo.data.tokenizer import BPETokenizer
     from attnzoo.inference.generate import stream
     from attnzoo.models.decoder import DecoderLM
@@ -99,7 +99,7 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     assert len(ids) > len(want) + 8  # the multi-byte characters really are split across tokens
     assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # prefixes end mid-character
     script = iter(ids)
-    monkeypatch.setattr(model_mod, "sample_next", lambda *a, **k: torch.tensor([[next(script)]]))
+    monkeypatch.setattr(generate_mod, "sample_next", lambda *a, **k: torch.tensor([[next(script)]]))
     model = DecoderLM(tiny_model_cfg("gqa"), vocab_size=tok.vocab_size).eval()
     run = SimpleNamespace(model=model, encode=tok.encode, decode=tok.decode)
     pieces: list[str] = []

@@ -27,9 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
+from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths, evaluate_loader
 from attnzoo.config.errors import ConfigError
+from attnzoo.config.paths import unwritable
+from attnzoo.config.schema import InferenceConfig, resolve_model, tagged
+from attnzoo.data import DATAMODULES, build_datamodule
+from attnzoo.data.corpus import load_corpus
+from attnzoo.data.text import Blocks
+from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
+from attnzoo.models.decoder import sample_next
+from attnzoo.training.checkpoint_io import check_checkpoint
+from attnzoo.training.families import family_of
 
 
 @dataclass
@@ -68,11 +80,15 @@ def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
 
 
 def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir: Optional[str] = None) -> LoadedRun:
-    """The model of a run dir (its last.ckpt, or best.ckpt) or of a .ckpt, with its data module and config."""
-    from attnzoo.training.checkpoint_io import check_checkpoint
-    from attnzoo.config.schema import resolve_model, tagged
-    from attnzoo.data import DATAMODULES, build_datamodule
-    from attnzoo.training.families import family_of
+    """The model of a run, ready to use: `path` is a run dir (its checkpoints/last.ckpt, or best.ckpt with
+    best=True) or a .ckpt file. Returns a `LoadedRun`: the model in eval mode on `device`, its LightningModule,
+    the run's resolved config (as saved in the checkpoint), its data module set up for validation (the
+    tokenizer of a text run: `encode` / `decode`), the checkpoint path and its global step. `cache_dir`: where
+    the data module finds its cached tokenizer (default: the run's paths.cache_dir).
+
+    Refused (ConfigError, one line naming `checkpoint`): a path that does not exist, a run dir without the
+    checkpoint, a file that is not a readable checkpoint (read with weights_only=True), a checkpoint without an
+    attnzoo run config, weights that do not fit the config it carries."""
 
     ckpt_path = resolve_checkpoint(path, best)
     state = check_checkpoint(ckpt_path, field="checkpoint")
@@ -114,9 +130,6 @@ KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
 def kv_format_of(run: LoadedRun, args: argparse.Namespace):
     """The KV-cache format from the command line, else the run's `inference` section, else the defaults;
     checked (one-line ConfigError naming the flag). Not fp32: decoder LMs with an mha / gqa / mqa layer."""
-    from attnzoo.config.schema import InferenceConfig
-    from attnzoo.training.families import family_of
-    from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
 
     own = InferenceConfig(**(run.config.get("inference") or {}))  # a run from before the section: the defaults
     fmt = KVFormat(args.kv_cache_dtype or own.kv_cache_dtype,
@@ -157,7 +170,6 @@ def check_device(device: str, field: str = "--device") -> None:
 
 def check_out_file(out: Optional[Path], field: str = "--out") -> None:
     """An output file path that can be written: not a directory, not under a file or a read-only directory."""
-    from attnzoo.config.paths import unwritable
 
     if out is None:
         return
@@ -193,7 +205,6 @@ def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float,
     writing each decoded piece as it comes: whole characters only (`complete_text`), so a byte-level BPE
     token that ends inside a UTF-8 character is held back until the token that completes it. Returns the
     text written."""
-    from attnzoo.models.decoder import sample_next
 
     model = run.model
     ids = run.encode(prompt)
@@ -254,7 +265,6 @@ def generate_main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
                               field="--prompts")
         run = load(args.run, best=args.best, device=args.device)
-        from attnzoo.training.families import family_of
 
         if not family_of(run.config["model"]).decoder_only:
             raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
@@ -296,7 +306,6 @@ def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int) -> None:
 
 def evaluate(run: LoadedRun, loader, max_batches: Optional[int] = None) -> dict:
     """val/loss, val/ppl (/ val/acc) of a loaded decoder LM over a loader (attnzoo.analysis.extrapolation)."""
-    from attnzoo.analysis.extrapolation import evaluate_loader
 
     return evaluate_loader(run.lit, loader, max_batches)
 
@@ -349,13 +358,11 @@ def eval_main(argv: list[str] | None = None) -> None:
         check_out_file(args.out)
         check_device(args.device)
         run = load(args.run, best=args.best, device=args.device)
-        from attnzoo.training.families import family_of
 
         family = family_of(run.config["model"])
         fmt = kv_format_of(run, args)
         kv_quant = ""
         if family.decoder_only:  # what the format stores at the run's length; refused where it stores nothing
-            from attnzoo.mixers.kv_quant import coverage
 
             kv_quant = coverage(fmt, [m.name for m in run.model.layer_mixers], run.config["data"]["seq_len"],
                                 fields=KV_FLAGS, seq_field="the run's data.seq_len")
@@ -363,10 +370,7 @@ def eval_main(argv: list[str] | None = None) -> None:
             if not hasattr(run.datamodule, "encode"):
                 raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
                                   f"text run", field="--text")
-            from torch.utils.data import DataLoader
 
-            from attnzoo.data.corpus import load_corpus
-            from attnzoo.data.text import Blocks
 
             text, _ = load_corpus(str(args.text), None)
             ids = torch.tensor(run.encode(text), dtype=torch.int32)
@@ -386,11 +390,9 @@ def eval_main(argv: list[str] | None = None) -> None:
             dtype = next(run.model.parameters()).dtype
             metrics["cache/bytes_per_token"] = run.model.cache_bytes(seq, 1, dtype, kv_format=fmt) / seq
             if fmt.dtype != "fp32":  # val/loss_kvq(_delta): the same batches through a cache in that format
-                from attnzoo.analysis.extrapolation import evaluate_kv_format
 
                 metrics.update(evaluate_kv_format(run.lit, loader, fmt, args.max_batches))
         else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
-            import lightning as L
 
             res = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", logger=False,
                             enable_progress_bar=False, limit_val_batches=args.max_batches or 1.0).validate(
@@ -399,9 +401,6 @@ def eval_main(argv: list[str] | None = None) -> None:
         if args.context_lengths:
             if not family.decoder_only:
                 raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
-            from attnzoo.analysis.extrapolation import evaluate_lengths
-            from attnzoo.config.schema import tagged
-            from attnzoo.data import DATAMODULES
 
             data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
             metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from attnzoo.config.errors import ConfigError
 from attnzoo.inference.generate import load
 from attnzoo.models.decoder import sample_next
+from attnzoo.training.families import family_of
 
 log = logging.getLogger(__name__)
 EOT = "<|endoftext|>"  # attnzoo.data.tokenizer.SPECIALS[0], in both tokenizers' vocabularies
@@ -73,8 +74,6 @@ class AttnzooLM(TemplateLM):
                               f"max_length, max_gen_toks, seed", field="model_args")
         if not path:
             raise ConfigError("missing; give --model_args path=RUN_DIR (or a .ckpt)", field="model_args.path")
-        from attnzoo.training.families import family_of
-
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             if device:  # lm_eval's CLI passes cuda:0 unless told otherwise
                 log.warning("attnzoo: device %s is not available; using cpu", device)

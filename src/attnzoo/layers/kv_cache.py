@@ -1,6 +1,6 @@
 """Inference caches: the `LayerCache` base every mixer's cache derives from, and `ModelCache`, one cache
 per layer (mixed kinds in hybrids). Each mixer's own cache class lives beside it (KVCache and
-SlidingWindowCache in mixers/attention.py, LatentCache in mixers/mla.py, RecurrentStateCache in
+SlidingWindowCache in mixers/attention_cache.py, LatentCache in mixers/mla.py, RecurrentStateCache in
 mixers/recurrent_base.py, CrossAttentionCache in encdec.py). Caches are batch-first: beam search
 reorders every tensor attribute along dim 0.
 
