@@ -12,4 +12,12 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "${ATTNZOO_TORCH:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[dev]"
+# keep the torch just installed (a dependency must not swap it for another build)
+TORCH_PIN="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
+.venv/bin/python -m pip install -q -e ".[dev]" "$TORCH_PIN"
+# litdata requires torchvision (for image / video serializers attnzoo never uses). The registry's torchvision for
+# this torch is built against the CUDA build and fails to import beside the CPU build; installed, it breaks
+# `import lightning` (torchmetrics imports torchvision when present). Remove it where it does not import.
+if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1 && ! .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then
+  .venv/bin/python -m pip uninstall -q -y torchvision
+fi
