@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-from attnzoo.training.budget import count_params, match_budget
+from attnzoo.training.budget import apply_budget, count_params, match_budget
 from attnzoo.config.schema import ConfigError
 from attnzoo.training.config_checks import validate
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
@@ -374,3 +374,24 @@ def test_report_averages_seeds_for_the_best_lr(tmp_path):
     assert statistics.mean(j["metrics"]["val/acc"] for j in other) <= row["metrics"]["val/acc"]
     header = next(line for line in (d / "report.md").read_text().splitlines() if line.startswith("| job | variant"))
     assert "| seeds | val/acc std |" in header
+
+
+@pytest.mark.parametrize("mixer", ["mla", "gated_deltanet"])
+def test_budget_match_holds_a_variant_at_the_reference_count(mixer):
+    """model_budget.match: {pattern: [gqa]} -> the gqa model's own count at the same sizes, so a sweep's variants
+    carry equal parameters at any size (its full form and its debug=smoke form alike)."""
+    container = {"model": {**tiny(mixer=mixer), "pattern": [mixer]}, "model_budget": {"match": {"pattern": ["gqa"]}}}
+    reference = count_params({**tiny(), "pattern": ["gqa"]}, 256)
+    info = apply_budget(container, 256)
+    assert info["budget/target"] == reference
+    assert abs(count_params(container["model"], 256) - reference) <= 0.02 * reference
+    assert container["model"]["pattern"] == [mixer]  # the variant keeps its own mixer
+
+
+@pytest.mark.parametrize("budget,field", [({"params": 1000, "match": {"pattern": ["gqa"]}}, "model_budget"),
+                                          ({"count": "total"}, "model_budget"),
+                                          ({"match": []}, "model_budget.match")], ids=["both", "neither", "not-a-map"])
+def test_budget_match_or_params_refused_in_one_line(budget, field):
+    with pytest.raises(ConfigError) as e:
+        apply_budget({"model": tiny(), "model_budget": budget}, 256)
+    assert e.value.field == field and "\n" not in str(e.value)

@@ -185,7 +185,7 @@ class TrainConfig:
     ckpt_path: Optional[str] = None  # a .ckpt path, or `last` (this run dir's checkpoints/last.ckpt)
     compile: bool = False
     optimized_metric: str = "val/loss"  # what main() returns to a Hydra sweeper
-    model_budget: Optional[Any] = None  # {params: N, count: non_embedding|total, tol: 0.02}: match a width to N
+    model_budget: Optional[Any] = None  # {params: N | match: {model keys}, count: non_embedding|total, tol: 0.02}
     on_nonfinite: str = "stop"  # NaN/inf training loss: stop (error naming the step) | skip (the step) | ignore
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Any = None

@@ -10,7 +10,8 @@ Which width (the rest of the model is left as configured):
 small model and a large vocabulary the embedding would otherwise swamp the budget; Kaplan et al. 2020's
 N) or "total" (every parameter; a tied LM head counts once).
 
-Hook for train() (config: `model_budget: {params: N, count: non_embedding, tol: 0.02}` or null):
+Hook for train() (config: `model_budget: {params: N, count: non_embedding, tol: 0.02}`, or
+`{match: {pattern: [gqa]}}` for the parameter count of a reference variant at the same sizes, or null):
     budget_metrics = apply_budget(container, dm.vocab_size)   # before LitLM(container, ...)
 It rewrites container["model"] in place and returns {"budget/target", "budget/params", "budget/value",
 "budget/rel_error"} to log (budget/field names the width it set).
@@ -90,15 +91,39 @@ def match_budget(model_cfg: dict, vocab_size: int, params: int, count: str = "no
     return _with(model_cfg, key, best * step), info
 
 
+def _merged(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def budget_target(model_cfg: dict, vocab_size: int, budget: dict) -> int:
+    """The parameter target: `params: N`, or `match: {model keys}` = as many parameters as this model would
+    have with those keys replaced, at its other sizes (e.g. match: {pattern: [gqa]} holds every variant of a
+    sweep at the gqa baseline's count, at the full size and in its debug=smoke form alike)."""
+    if ("params" in budget) == ("match" in budget):
+        raise ConfigError("expected {params: N} or {match: {model keys}} (one of them), count: non_embedding|total, "
+                          "tol: 0.02", field="model_budget")
+    if "params" in budget:
+        return int(budget["params"])
+    if not isinstance(budget["match"], dict) or not budget["match"]:
+        raise ConfigError(f"got {budget['match']!r}; allowed: model keys of the reference, e.g. {{pattern: [gqa]}}",
+                          field="model_budget.match")
+    return count_params(_merged(model_cfg, budget["match"]), vocab_size, budget.get("count", "non_embedding"))
+
+
 def apply_budget(container: dict, vocab_size: int) -> dict:
-    """train() hook: with container['model_budget'] = {params, count?, tol?}, set the matched width in
+    """train() hook: with container['model_budget'] = {params | match, count?, tol?}, set the matched width in
     container['model'] (in place); return the budget metrics (empty without a budget)."""
     budget: Any = container.get("model_budget")
     if not budget:
         return {}
-    if not isinstance(budget, dict) or "params" not in budget:
-        raise ConfigError("expected {params: N, count: non_embedding|total, tol: 0.02}", field="model_budget")
-    model, info = match_budget(container["model"], vocab_size, int(budget["params"]), budget.get("count", "non_embedding"),
+    if not isinstance(budget, dict):
+        raise ConfigError("expected {params: N} or {match: {model keys}}, count: non_embedding|total, tol: 0.02",
+                          field="model_budget")
+    target = budget_target(container["model"], vocab_size, budget)
+    model, info = match_budget(container["model"], vocab_size, target, budget.get("count", "non_embedding"),
                                float(budget.get("tol", 0.02)))
     container["model"] = model
     return info
