@@ -110,6 +110,8 @@ RECURRENT = {
     "linear_attention-C8": {"name": "linear_attention", "chunk_size": 8},
     "deltanet": {"name": "deltanet"}, "gated_deltanet": {"name": "gated_deltanet"},
     "gated_deltanet-C8+conv3": {"name": "gated_deltanet", "chunk_size": 8, "conv_size": 3},
+    "gla-C8": {"name": "gla", "chunk_size": 8}, "gla-C4+conv3": {"name": "gla", "chunk_size": 4, "conv_size": 3},
+    "retnet": {"name": "retnet"}, "retnet-C8": {"name": "retnet", "chunk_size": 8},
 }
 
 

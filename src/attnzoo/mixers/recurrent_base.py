@@ -165,6 +165,11 @@ class RecurrentMixer(Mixer):
         return (q.reshape(B, T, self.n_qk_heads, self.qk_dim), k.reshape(B, T, self.n_qk_heads, self.qk_dim),
                 v.reshape(B, T, self.n_v_heads, self.v_dim))
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Position information on q, k (B, T, H, D) at `positions` ((T,) or (B, T) absolute positions) before the
+        recurrence: none by default (the decay orders the tokens); RetNet rotates them (RoPE)."""
+        return q, k
+
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o (B, T, Hv, Dv) -> [norm, gate] -> o_proj -> (B, T, d_model) in x's dtype."""
         B, T, _ = x.shape
@@ -186,6 +191,7 @@ class RecurrentMixer(Mixer):
             if cache is not None:
                 cache.conv_tail = tail.to(cache.conv_tail.dtype)
         q, k, v = self._heads(qkv)
+        q, k = self.rotate(q, k, positions)
         if cp is not None:
             mode = "cp"
         elif self.impl == "reference":
@@ -210,6 +216,7 @@ class RecurrentMixer(Mixer):
         if self.conv is not None:
             qkv = masked_conv(self.conv, qkv, documents.positions())
         q, k, v = self._heads(qkv)
+        q, k = self.rotate(q, k, positions)
         if self.impl == "reference":  # the per-token recurrence, each document by its own call
             o = documents.per_document(lambda *a: self.mix(*a, None, "reference")[0], q, k, v, x)
         else:  # one call: documents chunk-aligned in their rows, the state zeroed entering each one's first chunk

@@ -1,0 +1,120 @@
+"""Gated Linear Attention (Yang, Wang, Shen, Panda & Kim 2023, "Gated Linear Attention Transformers with
+Hardware-Efficient Training", arXiv:2312.06635), as fla's `GatedLinearAttention` layer builds it:
+
+    S_t = diag(alpha_t) S_{t-1} + k_t v_t^T,    o_t = d_k^-1/2 S_t^T q_t,
+    alpha_t = sigmoid(W_2 W_1 x_t + b)^(1/16)   (log alpha_t = logsigmoid(.) / 16, one per key channel),
+
+a data-dependent forget gate per key channel through a low-rank projection (d_model -> 16 -> H d_k), then a
+per-head RMSNorm on the output gated by SiLU(W_g x) and the output projection. `GatedLinearMixer` holds what GLA
+and RetNet (mixers/retnet.py) share: the forms of the one op they reduce to (ops/gated_linear_attention.py) on a
+per-step log-decay the subclass computes (`log_decay`). `impl="reference"` runs the per-token recurrence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import validate_conv
+from attnzoo.mixers.recurrent_base import RecurrentMixer, upcast
+from attnzoo.ops.gated_linear_attention import (chunk_gated_linear_attention, gated_linear_attention_recurrent,
+                                                gated_linear_attention_step)
+
+
+@dataclass
+class GLAConfig:
+    name: str = "gla"
+    n_heads: Optional[int] = None  # null: model.n_heads
+    head_dim: Optional[int] = None  # d_k (null: model head_dim; fla's layer: expand_k 0.5, i.e. half of it)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
+    gate_low_rank_dim: int = 16  # the forget gate's low-rank projection d_model -> r -> H d_k
+    gate_logit_normalizer: float = 16.0  # log alpha = logsigmoid(.) / this: alpha = sigmoid(.)^(1/16)
+    # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks
+    chunk_size: int = 16
+    conv_size: int = 0  # short causal depthwise conv on q/k/v (fla's use_short_conv, off by default); 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "none"  # after the conv: silu (fla's, with its conv) | none
+    use_output_norm: bool = True  # per-head RMSNorm on the output
+    use_gate: bool = True  # output gate: norm(o) * silu(W_g x)
+    norm_eps: float = 1e-5  # fla's
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+        for key in ("chunk_size", "gate_low_rank_dim"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
+        if self.gate_logit_normalizer <= 0:
+            raise ConfigError(f"must be > 0, got {self.gate_logit_normalizer}", field=f"{field}.gate_logit_normalizer")
+        validate_conv(self, field)
+
+
+class GatedLinearMixer(RecurrentMixer):
+    """Gated linear attention on a log-decay per step (`log_decay`, subclass): the shared build, `mix` and forms."""
+
+    # torch forms on every device: fla's chunk_gla / chunk_retention kernels are not wired here (ops/fla_kernels.py)
+    kernel_family = "other"
+
+    def __init__(self, cfg, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        h = cfg.n_heads or model_cfg.n_heads
+        dk = cfg.head_dim or model_cfg.head_dim  # resolved by config.resolve_model
+        dv = cfg.v_head_dim or dk
+        self.chunk_size = cfg.chunk_size
+        self.build(
+            n_qk_heads=h, n_v_heads=h, qk_dim=dk, v_dim=dv, state_shape=(dk, dv),
+            conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, activation=cfg.qkv_activation,
+            output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps,
+        )
+
+    @classmethod
+    def linearize_sizes(cls, n_heads: int, head_dim: int) -> dict:
+        return {"n_heads": n_heads, "head_dim": head_dim, "v_head_dim": head_dim}
+
+    def log_decay(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The log-decay g <= 0 of each token, (B, H, T, Dk) per key channel or (B, H, T, 1) per head, in q's
+        dtype; x (B, T, d_model) the mixer input, q (B, T, H, Dk)."""
+        raise NotImplementedError
+
+    def mix(self, q, k, v, x, state, mode, resets=None):
+        g = self.log_decay(x, q)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        state = None if state is None else state.to(q.dtype)
+        o, state = self.recur(mode, x, state, resets, q, k, v, g)
+        return o.transpose(1, 2), state
+
+    # the forms of gated linear attention (ops/gated_linear_attention.py); g (B, H, T, Dg) log-decays
+    def step_op(self, q, k, v, g, *, state):
+        return gated_linear_attention_step(q, k, v, g, state)
+
+    def recurrent_op(self, q, k, v, g, *, state):
+        return gated_linear_attention_recurrent(q, k, v, g, state)
+
+    def chunk_op(self, q, k, v, g, *, state, resets=None):
+        return chunk_gated_linear_attention(q, k, v, g, state, chunk_size=self.chunk_size, resets=resets)
+
+    def op_flops_per_token(self, context_len: int) -> float:
+        """Chunkwise form per head, chunk C = min(chunk_size, L), per token: 2 C (Dk + Dv) + 4 Dk Dv (the causal
+        decayed scores and their product with V, the chunk's write K^T V and the read Q S; the decays elementwise)."""
+        C = max(1, min(self.chunk_size, context_len))
+        dk, dv = self.state_shape
+        return self.n_v_heads * (2 * C * (dk + dv) + 4 * dk * dv)
+
+
+@register_mixer("gla", GLAConfig)
+class GLA(GatedLinearMixer):
+    hf_missing = "Gated Linear Attention has no transformers causal-LM counterpart (fla's layer is its reference)"
+
+    def __init__(self, cfg: GLAConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        self.gk_proj = nn.Sequential(nn.Linear(self.d_model, cfg.gate_low_rank_dim, bias=False),
+                                     nn.Linear(cfg.gate_low_rank_dim, self.n_qk_heads * self.qk_dim, bias=True))
+
+    def log_decay(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        B, T, H, Dk = q.shape
+        gk = upcast(self.gk_proj(x)).to(q.dtype).reshape(B, T, H, Dk)
+        return (F.logsigmoid(gk) / self.cfg.gate_logit_normalizer).transpose(1, 2)
