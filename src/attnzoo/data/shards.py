@@ -1,0 +1,253 @@
+"""`data=shards data.path=OUT`: language modelling on a corpus prepared once by `attnzoo-data prepare SRC OUT`
+(token shards + manifest; the format: docs/data.md), streamed with Lightning's litdata.
+
+Nothing is loaded whole: litdata memory-maps the shards, so memory does not grow with the corpus. Training reads
+`StreamingDataset(OUT/train, TokensLoader(block_size=seq_len + 1), shuffle, seed=run seed, drop_last=True)`: the
+documents' token stream cut into blocks, shuffled per epoch from the seed and shared out over the data-parallel
+ranks and the loader's workers with no overlap. A batch is (x, y) int64 (B, T), y = x shifted by one, as data=text
+gives it; with packing the document masks come from the end-of-text ids inside each block (data=text's packed
+form, ops/packing.py). Validation reads OUT/val in order.
+
+Resume is exact: the training loader's state in the checkpoint is litdata's state at the batch the training
+loop has consumed (recorded after every batch by `DataPositionCallback`), not at the batch litdata has handed
+out (Lightning fetches one ahead, the workers more), so a resumed run continues with the very next batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+from unittest import mock
+
+import lightning as L
+import numpy as np
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+from litdata.utilities.env import _DistributedEnv
+
+from attnzoo.config.errors import ConfigError, check
+from attnzoo.data import register_data
+from attnzoo.data.sampling import ResumableDataLoader, _rank_world
+from attnzoo.data.tokenizer import FileTokenizer
+
+SHARDS_FORMAT = "attnzoo-shards"
+SHARDS_VERSION = 1  # the newest manifest version this reader understands
+PREPARE = "attnzoo-data prepare SRC OUT"
+# Lightning warns that an IterableDataset with __len__ may repeat data across workers; litdata gives each
+# worker its own share (tests/test_shards.py: every block exactly once)
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
+
+
+@dataclass
+class ShardsDataConfig:
+    name: str = "shards"
+    path: Optional[str] = None  # OUT of `attnzoo-data prepare SRC OUT` (its manifest.json, tokenizer.json, train/, val/)
+    seq_len: int = 256
+    batch_size: int = 16
+    num_workers: int = 2  # loader worker processes per rank (each streams its own share of the shards)
+    # document masks from the end-of-text ids inside each block: attention never crosses a document start,
+    # recurrent state resets, positions restart (packing.py). false: plain blocks that run across documents
+    packing: bool = False
+    shuffle: bool = True  # the training blocks' order, per epoch from the run's seed (validation: in order)
+    # the embedding rows: null = the prepared tokenizer's vocabulary (the manifest's); more for a model whose
+    # embedding is larger than its tokenizer (model.init_from), never fewer
+    vocab_size: Optional[int] = None
+
+    def validate(self, model, field: str) -> None:
+        check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
+        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
+        check(self.path is not None, f"{field}.path", f"is required with data=shards; allowed: a folder written by "
+              f"`{PREPARE}`")
+        manifest = read_manifest(self.path, f"{field}.path")
+        vocab = int(manifest["tokenizer"]["vocab_size"])
+        if self.vocab_size is not None:
+            check(self.vocab_size >= vocab, f"{field}.vocab_size", f"{self.vocab_size} embedding rows, fewer than "
+                  f"{self.path}'s tokenizer ({vocab} tokens); allowed: >= {vocab}, or null (the manifest's)")
+        rows = getattr(model, "vocab_size", None)  # set by model.init_from (the imported embedding); else from here
+        if rows is not None:
+            check(rows >= vocab, "model.vocab_size", f"{rows} embedding rows, fewer than {self.path}'s tokenizer "
+                  f"({vocab} tokens); allowed: a model with >= {vocab}, or a corpus prepared with its tokenizer")
+        longest = manifest["splits"]["train"].get("max_document_tokens")
+        if self.packing and longest is not None:
+            check(self.seq_len <= longest, f"{field}.seq_len", f"{self.seq_len} is longer than every document of "
+                  f"{self.path} (the longest: {longest} tokens): with data.packing=true no token would see more "
+                  f"than {longest} tokens of context; allowed: <= {longest}, or data.packing=false")
+
+
+def read_manifest(path: str, field: str = "data.path") -> dict:
+    """OUT/manifest.json, checked: a finished `attnzoo-data prepare` output of a version this reader knows, its
+    tokenizer and splits present. One-line ConfigError naming `field` otherwise."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        what = "is a file" if root.exists() else "does not exist"
+        raise ConfigError(f"{path} {what}; allowed: a folder written by `{PREPARE}`", field=field)
+    try:
+        manifest = json.loads((root / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is not a prepared corpus (no manifest.json); allowed: a folder written by "
+                          f"`{PREPARE}` (for raw text: data=text data.path={path})", field=field) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}/manifest.json is unreadable ({str(e).splitlines()[0][:120]}); allowed: run "
+                          f"`{PREPARE}` again", field=field) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARDS_FORMAT:
+        raise ConfigError(f"{path}/manifest.json is not an {SHARDS_FORMAT} manifest; allowed: a folder written by "
+                          f"`{PREPARE}`", field=field)
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > SHARDS_VERSION:
+        raise ConfigError(f"{path} was prepared by a newer attnzoo (manifest version {version!r}, "
+                          f"{manifest.get('created_by', '?')}); allowed: version <= {SHARDS_VERSION} (upgrade attnzoo, "
+                          f"or prepare it again with this one)", field=field)
+    if manifest.get("complete") is not True:
+        raise ConfigError(f"{path} is not complete (its `{PREPARE}` did not finish); allowed: run the same command "
+                          f"again, it resumes", field=field)
+    for part in ("tokenizer.json", "train/index.json", "val/index.json"):
+        if not (root / part).is_file():
+            raise ConfigError(f"{path} has no {part}; allowed: a folder written by `{PREPARE}`", field=field)
+    return manifest
+
+
+def count_blocks(split_dir: Path, block: int) -> int:
+    """Blocks of `block` tokens litdata's TokensLoader cuts from a split (each chunk's tail shorter than a block is
+    left out), from its index.json."""
+    index = json.loads((split_dir / "index.json").read_text())
+    return sum(int(c["dim"] or 0) // block for c in index["chunks"])
+
+
+class BlockBatch:
+    """Collates blocks of seq_len + 1 token ids into (x, y) int64 (B, T), y = x shifted by one. With `eos_id`
+    (data.packing) also (loss_mask, token_mask, doc_ids) as data=text's PackedBlocks: doc_ids counts the
+    end-of-text ids at x[1..t], so each end-of-text starts the next document as data=text's separator does
+    (the previous document's last target is that end-of-text)."""
+
+    def __init__(self, eos_id: Optional[int] = None):
+        self.eos_id = eos_id
+
+    def __call__(self, blocks: list) -> tuple:
+        ids = torch.from_numpy(np.stack([np.asarray(b) for b in blocks]).astype(np.int64))  # (B, T + 1)
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        if self.eos_id is None:
+            return x, y
+        starts = x == self.eos_id
+        starts[:, 0] = False  # the block's first token belongs to document 0 whatever it is
+        ones = torch.ones_like(x, dtype=torch.bool)
+        return x, y, ones, ones, starts.cumsum(1)
+
+
+def data_parallel_env(dataset: StreamingDataset) -> _DistributedEnv:
+    """The data-parallel rank and world the dataset shards over (context-parallel groups share a batch, so they
+    count once: sampling._rank_world), in litdata's terms."""
+    rank, world = _rank_world()
+    found = dataset.distributed_env
+    if (found.world_size, found.global_rank) == (world, rank):
+        return found
+    return _DistributedEnv(world_size=world, global_rank=rank, num_nodes=1)
+
+
+class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
+    """litdata's StreamingDataLoader, stateful for Lightning at the consumed position: `position` (epoch, batches
+    done in it) is set by DataPositionCallback after every training batch (as for data=text's
+    ResumableDataLoader), and `state_dict` is litdata's state after exactly those batches. litdata hands out
+    batch k of an epoch from worker k mod num_workers, so that state is its own, computed for k batches."""
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.position is None:
+            return super().state_dict()
+        epoch, batches = int(self.position["epoch"]), int(self.position["batches"])
+        workers = max(1, self.num_workers)
+        samples = batches * self.batch_size
+        dataset = dict(self.dataset.state_dict(samples, self.num_workers, self.batch_size))
+        # litdata counts epochs from 1 (each new iteration adds one): Lightning's epoch E is litdata's E + 1; an
+        # epoch just finished (batches 0) is saved as the last one, so the next iteration starts epoch E + 1
+        dataset["current_epoch"] = epoch + 1 if batches else epoch
+        return {"dataset": dataset, "current_epoch": dataset["current_epoch"], "num_samples_yielded": samples,
+                "latest_worker_idx": (batches - 1) % workers if batches else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # litdata compares the saved world with torch.distributed's (WORLD_SIZE wins), which counts context-parallel
+        # ranks too: tell it the data-parallel world the state was saved under
+        world = str(self.dataset.distributed_env.world_size)
+        with mock.patch.dict(os.environ, {"WORLD_SIZE": world}):
+            StreamingDataLoader.load_state_dict(self, state)  # mid-epoch: the next iteration replays to the position
+
+
+@register_data("shards", ShardsDataConfig)
+class ShardsDataModule(L.LightningDataModule):
+    def __init__(self, cfg: ShardsDataConfig, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
+        super().__init__()
+        self.cfg, self.cache_dir, self.seed = cfg, cache_dir, seed
+        self.tokenizer: Optional[FileTokenizer] = None
+        self.manifest: dict = {}
+        self.info: dict = {}
+        self.train_loader: Optional[ShardsLoader] = None
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.tokenizer is not None:
+            return
+        cfg = self.cfg
+        if cfg.path is None:
+            raise ConfigError(f"is required with data=shards; allowed: a folder written by `{PREPARE}`",
+                              field="data.path")
+        self.manifest = read_manifest(cfg.path)
+        self.root = Path(cfg.path).expanduser().resolve()
+        self.tokenizer = FileTokenizer.from_file(self.root / "tokenizer.json")
+        self.eos_id = int(self.manifest["tokenizer"]["eos_id"])
+        block = cfg.seq_len + 1
+        blocks = {split: count_blocks(self.root / split, block) for split in ("train", "val")}
+        if blocks["train"] < cfg.batch_size or blocks["val"] < 1:
+            split = "train" if blocks["train"] < cfg.batch_size else "val"
+            tokens = self.manifest["splits"][split]["tokens"]
+            raise ConfigError(f"{cfg.path}'s {split} split ({tokens:,} tokens) holds {blocks[split]} blocks of "
+                              f"seq_len + 1 = {block} tokens, fewer than {'one batch' if split == 'train' else 'one'}; "
+                              f"allowed: a smaller data.seq_len / data.batch_size, or a larger corpus",
+                              field="data.seq_len")
+        self.info = {"path": str(self.root), "manifest": self.manifest, "train_blocks": blocks["train"],
+                     "val_blocks": blocks["val"]}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size or int(self.manifest["tokenizer"]["vocab_size"])
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _dataset(self, split: str, shuffle: bool) -> StreamingDataset:
+        ds = StreamingDataset(str(self.root / split), item_loader=TokensLoader(block_size=self.cfg.seq_len + 1),
+                              shuffle=shuffle, seed=self.seed, drop_last=shuffle)
+        ds.distributed_env = data_parallel_env(ds)
+        if ds.distributed_env.world_size > 1:
+            ds.set_drop_last(True)  # every rank the same number of batches (its collectives stay in step)
+        return ds
+
+    def _collate(self) -> BlockBatch:
+        return BlockBatch(self.eos_id if self.cfg.packing else None)
+
+    def train_dataloader(self) -> ShardsLoader:
+        """Shuffled per epoch from the run's seed, shared over ranks and workers, resumable at the exact batch."""
+        self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
+                                         num_workers=self.cfg.num_workers, collate_fn=self._collate())
+        if len(self.train_loader) == 0:
+            raise ConfigError(f"{self.cfg.path}'s train split gives no batch of {self.cfg.batch_size} per rank and "
+                              f"loader worker; allowed: fewer data.num_workers, a smaller data.batch_size / seq_len",
+                              field="data.batch_size")
+        return self.train_loader
+
+    def val_dataloader(self) -> StreamingDataLoader:
+        """In order, shared over ranks (the LightningModule reduces the metrics exactly)."""
+        return StreamingDataLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
+                                   num_workers=self.cfg.num_workers, collate_fn=self._collate())
+
+    def tokens_seen(self) -> Optional[int]:
+        """Training tokens the loaders have delivered to the training step so far, all data-parallel ranks
+        together (each the same number of batches): from the training loader's consumed position."""
+        loader = self.train_loader
+        if loader is None or loader.position is None:
+            return None
+        world = loader.dataset.distributed_env.world_size
+        batches = int(loader.position["epoch"]) * len(loader) + int(loader.position["batches"])
+        return batches * self.cfg.batch_size * self.cfg.seq_len * world
