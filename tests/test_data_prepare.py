@@ -1,0 +1,261 @@
+"""`attnzoo-data prepare` / `info` (issue 27 item 1): the prepared-corpus contract on tiny corpora (documents
+round-trip, EOS at every document's end, val drawn by document key, dtype, manifest), every source format, the
+three tokenizer choices, resume after SIGKILL (the same documents as an uninterrupted run), the no-op re-run,
+and every bad input refused in one line before any work (rows of docs/reliability.md's table:
+scripts/bad_input_table.py EXTRA)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnzoo.cli.data import main
+from attnzoo.data import prepare as prep
+from attnzoo.data.prepare import prepare, read_manifest
+from attnzoo.data.sources import is_val
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the of and to in is was for on that with as by at from his her an which have are were be this or had "
+         "not but it one all river stone light garden window morning letter").split()
+FAST = {"vocab_size": 300, "num_workers": 2, "progress": False}
+
+
+def _doc(rng) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))).capitalize() + "."
+
+
+def make_corpus(folder: Path, n: int = 120, seed: int = 0) -> list[str]:
+    """A .txt (blank-line separated documents) and a .jsonl file; returns every document."""
+    import random
+
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    txt, jsonl = [_doc(rng) for _ in range(n)], [_doc(rng) for _ in range(n)]
+    (folder / "a.txt").write_text("\n\n".join(txt) + "\n")
+    (folder / "b.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(jsonl)))
+    return txt + jsonl
+
+
+def read_items(folder: Path, dtype: str) -> list[np.ndarray]:
+    """Every item of a litdata TokensLoader dataset, read from its chunk files (header: n, n + 1 offsets)."""
+    index = json.loads((folder / "index.json").read_text())
+    items = []
+    for c in index["chunks"]:
+        raw = (folder / c["filename"]).read_bytes()
+        n = int(np.frombuffer(raw[:4], np.uint32)[0])
+        offsets = np.frombuffer(raw[4 : 4 * (n + 2)], np.uint32)
+        items += [np.frombuffer(raw[a:b], dtype) for a, b in zip(offsets[:-1], offsets[1:])]
+    return items
+
+
+def split_docs(out: Path) -> dict:
+    m = read_manifest(out)
+    return {s: Counter(tuple(a.tolist()) for a in read_items(out / s, m["dtype"])) for s in ("train", "val")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    from attnzoo.data.tokenizer import BPETokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(BPETokenizer.train(" ".join(WORDS * 20), 300).tok.to_str())
+    return path
+
+
+def test_prepare_contract(tmp_path, capsys):
+    docs = make_corpus(tmp_path / "src")
+    main(["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--vocab-size", "300", "--val-fraction", "0.2",
+          "--seed", "3", "--unit-bytes", "2048"])
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "peak RSS" in out
+    m = read_manifest(tmp_path / "out")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert m["dtype"] == "uint16" and m["tokenizer"]["eos_id"] == tok.token_to_id("<|endoftext|>")
+    assert m["tokenizer"]["vocab_size"] == tok.get_vocab_size() == 300
+    assert m["source"]["files"] == 2 and m["val"] == {"fraction": 0.2, "seed": 3} and m["complete"] is True
+    assert not (tmp_path / "out" / ".work").exists()
+    decoded = {}
+    for split in ("train", "val"):
+        items = read_items(tmp_path / "out" / split, "uint16")
+        assert all(a[-1] == m["tokenizer"]["eos_id"] and (a[:-1] != m["tokenizer"]["eos_id"]).all() for a in items)
+        assert m["splits"][split]["documents"] == len(items)
+        assert m["splits"][split]["tokens"] == sum(len(a) for a in items)
+        decoded[split] = Counter(tok.decode(a[:-1].tolist()) for a in items)
+    assert decoded["train"] + decoded["val"] == Counter(docs)  # every document once, never cut
+    # val is drawn by document key (relpath:byte offset), as the contract says
+    src = tmp_path / "src"
+    keys = [f"b.jsonl:{off}" for off in np.cumsum([0] + [len(x) for x in (src / "b.jsonl").read_bytes()
+                                                          .splitlines(keepends=True)])[:-1]]
+    want_val = [json.loads(line)["text"] for key, line in zip(keys, (src / "b.jsonl").read_text().splitlines())
+                if is_val(key, 0.2, 3)]
+    assert all(decoded["val"][t] for t in want_val) and 0 < m["splits"]["val"]["documents"] < len(docs) / 2
+    # info prints it; a second prepare is a no-op
+    main(["info", str(tmp_path / "out")])
+    info = capsys.readouterr().out
+    assert "train" in info and f"{m['splits']['train']['tokens']:,} tokens" in info and "uint16" in info
+    before = (tmp_path / "out" / "manifest.json").stat().st_mtime_ns
+    main(["prepare", str(src), str(tmp_path / "out"), "--vocab-size", "300", "--val-fraction", "0.2", "--seed", "3"])
+    assert "nothing to do" in capsys.readouterr().out
+    assert (tmp_path / "out" / "manifest.json").stat().st_mtime_ns == before
+
+
+def _write_sources(tmp_path: Path, docs: list[str]) -> dict:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    rows = [{"body": t, "n": i} for i, t in enumerate(docs)]
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "zst" / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps(r) + "\n" for r in rows).encode()))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pq" / "a.parquet", row_group_size=7)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "lines.txt").write_text("\n".join(docs) + "\n")
+    return {"zst": {}, "pq": {"unit_bytes": 1024}, "ds": {"unit_bytes": 1024}, "lines.txt": {"txt_docs": "line"}}
+
+
+def test_sources(tmp_path, tokenizer_file):
+    """.jsonl.zst, .parquet (cut by row groups), a save_to_disk dataset (cut by rows) and a one-document-per-line
+    .txt file give the same documents."""
+    from tokenizers import Tokenizer
+
+    import random
+
+    rng = random.Random(1)
+    docs = [_doc(rng) for _ in range(60)]
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    for name, extra in _write_sources(tmp_path, docs).items():
+        m = prepare(tmp_path / name, tmp_path / f"out-{name}", tokenizer="file", tokenizer_file=str(tokenizer_file),
+                    text_field="body", val_fraction=0.1, **{**FAST, **extra})
+        got = Counter()
+        for split in ("train", "val"):
+            got += Counter(tok.decode(a[:-1].tolist()) for a in read_items(tmp_path / f"out-{name}" / split, "uint16"))
+        assert got == Counter(docs), name
+        assert m["tokenizer"]["kind"] == "file" and m["tokenizer"]["eos_id"] == tok.token_to_id("<|endoftext|>")
+
+
+def test_tokenizer_model_dir(tmp_path, tokenizer_file):
+    """--tokenizer-model DIR: the model directory's tokenizer.json and its tokenizer_config.json eos_token."""
+    make_corpus(tmp_path / "src", n=20)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    m = prepare(tmp_path / "src", tmp_path / "out", tokenizer="model", tokenizer_model=str(model), **FAST)
+    assert m["tokenizer"]["kind"] == "model" and m["tokenizer"]["sha256"] == prep.file_sha256(tokenizer_file)
+
+
+def refused(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1, cap.err
+    assert cap.out == "" and lines[0].startswith("attnzoo-data: error: "), cap
+    return lines[0][len("attnzoo-data: error: "):]
+
+
+def _bad_src(kind: str, tmp: Path) -> Path:
+    src = tmp / "src"
+    src.mkdir()
+    if kind == "empty folder":
+        (src / "notes.md").write_text("not an input")
+    elif kind == "empty files":
+        (src / "a.txt").write_text("")
+    elif kind == "no text field":
+        (src / "a.jsonl").write_text('{"body": "x"}\n')
+    elif kind == "binary":
+        make_corpus(src, n=3)
+        (src / "c.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    return src
+
+
+@pytest.mark.parametrize("kind, want", [
+    ("missing", "SRC: <tmp>/nowhere does not exist; allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet"),
+    ("empty folder", "SRC: <tmp>/src holds no input file (only: notes.md); allowed:"),
+    ("empty files", "SRC: <tmp>/src: every input file is empty; allowed:"),
+    ("no text field", "--text-field: <tmp>/src/a.jsonl line 1 has no string field 'text' (its fields: body); "
+                      "allowed: --text-field NAME"),
+    ("binary", "SRC: <tmp>/src/c.txt is binary (a NUL byte at offset 8), not UTF-8 text; allowed:"),
+])
+def test_bad_source(tmp_path, capsys, kind, want):
+    src = tmp_path / "nowhere" if kind == "missing" else _bad_src(kind, tmp_path)
+    line = refused(capsys, ["prepare", str(src), str(tmp_path / "out")])
+    assert line.replace(str(tmp_path), "<tmp>").startswith(want), line
+    assert not (tmp_path / "out").exists()  # before any work
+
+
+def test_bad_out(tmp_path, capsys, tokenizer_file):
+    make_corpus(tmp_path / "src", n=20)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("mine")
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "junk")])
+    assert line.startswith(f"OUT: {tmp_path}/junk is not empty and not a folder attnzoo-data prepared"), line
+    assert refused(capsys, ["info", str(tmp_path / "junk")]) == (
+        f"OUT: {tmp_path}/junk has no manifest.json: not a prepared folder; allowed: a folder written by "
+        f"attnzoo-data prepare")
+    out = tmp_path / "out"
+    prepare(tmp_path / "src", out, tokenizer="file", tokenizer_file=str(tokenizer_file), **FAST)
+    # another source, another tokenizer, another val split into the prepared OUT
+    make_corpus(tmp_path / "src2", n=20, seed=5)
+    line = refused(capsys, ["prepare", str(tmp_path / "src2"), str(out), "--tokenizer-file", str(tokenizer_file)])
+    assert line.startswith(f"SRC: {out} was prepared from another source"), line
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(out), "--vocab-size", "300"])
+    assert line.startswith(f"--tokenizer: {out} was prepared with another tokenizer (kind=file"), line
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(out), "--tokenizer-file", str(tokenizer_file),
+                            "--val-fraction", "0.1"])
+    assert line == (f"--val-fraction: {out} was prepared with val_fraction=0.005 (asked: 0.1); allowed: the same "
+                    f"value, or another OUT"), line
+    # a manifest from a newer attnzoo
+    m = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**m, "version": 99, "created_by": "attnzoo 9.0"}))
+    for argv in (["info", str(out)], ["prepare", str(tmp_path / "src"), str(out)]):
+        assert refused(capsys, argv) == (f"OUT: {out}/manifest.json is version 99 (attnzoo 9.0); this attnzoo "
+                                         f"reads version <= 1; allowed: a newer attnzoo, or prepare it again")
+
+
+def test_vocabulary_over_uint32(tmp_path, capsys, monkeypatch, tokenizer_file):
+    make_corpus(tmp_path / "src", n=5)
+    monkeypatch.setattr(prep, "vocab_size_of", lambda tok: 2**32 + 1)
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--tokenizer-file",
+                            str(tokenizer_file)])
+    assert line == ("--tokenizer: the tokenizer has 4,294,967,297 ids, over uint32 (4,294,967,296); allowed: a "
+                    "vocabulary of at most 2**32 ids")
+    assert not (tmp_path / "out").exists()
+    assert prep.dtype_for(2**16) == "uint16" and prep.dtype_for(2**16 + 1) == "uint32"
+
+
+def test_kill_and_resume(tmp_path, tokenizer_file):
+    """SIGKILL (the whole process group) once some parts are finished; the same command resumes, and OUT holds
+    the same documents per split as an uninterrupted run: none lost, none twice."""
+    make_corpus(tmp_path / "src", n=1500)
+    argv = ["--tokenizer-file", str(tokenizer_file), "--unit-bytes", "2048", "--val-fraction", "0.1", "--quiet"]
+    cmd = [sys.executable, "-m", "attnzoo.cli.data", "prepare", str(tmp_path / "src"), str(tmp_path / "out"), *argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    parts = tmp_path / "out" / ".work" / "parts"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and len(list(parts.glob("*")) if parts.is_dir() else []) < 3:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(parts.glob("*")))
+    plan = json.loads((tmp_path / "out" / ".work" / "plan.json").read_text())
+    assert not (tmp_path / "out" / "manifest.json").exists() and 3 <= done < len(plan["parts"]), done
+    res = subprocess.run(cmd[:-1], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resuming: {done}" in res.stderr or "resuming:" in res.stderr
+    prepare(tmp_path / "src", tmp_path / "whole", tokenizer="file", tokenizer_file=str(tokenizer_file),
+            unit_bytes=2048, val_fraction=0.1, num_workers=2, progress=False)
+    assert split_docs(tmp_path / "out") == split_docs(tmp_path / "whole")
+    assert read_manifest(tmp_path / "out")["splits"] == read_manifest(tmp_path / "whole")["splits"]
