@@ -43,6 +43,18 @@ EXTRA = [
     ("`attnzoo-eval RUN --out FILE/eval.json` (under a file)", "--out: <file>/eval.json cannot be written (<file> is a file, not a directory); allowed: a path under a writable directory"),
     ("`attnzoo-bench --threads 0 SUBCOMMAND`", "--threads: must be >= 1, got 0; allowed: omit it for torch's default"),
     ("`attnzoo-bench --out FILE/bench SUBCOMMAND` (under a file)", "--out: <file>/bench cannot be created (<file> is a file, not a directory); allowed: a folder under a writable directory"),
+    # attnzoo-data (tests/test_data_prepare.py): refused before any file is tokenized or written
+    ("`attnzoo-data prepare SRC OUT` with SRC missing", "SRC: <src> does not exist; allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet, a datasets save_to_disk folder, or hf:NAME"),
+    ("`attnzoo-data prepare SRC OUT` with no input file in SRC", "SRC: <src> holds no input file (only: notes.md); allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet, ..."),
+    ("`attnzoo-data prepare SRC OUT` with only empty files", "SRC: <src>: every input file is empty; allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet, ..."),
+    ("`attnzoo-data prepare SRC OUT`, a .jsonl without the text field", "--text-field: <src>/a.jsonl line 1 has no string field 'text' (its fields: body); allowed: --text-field NAME"),
+    ("`attnzoo-data prepare SRC OUT`, a binary file among the inputs", "SRC: <src>/c.txt is binary (a NUL byte at offset 8), not UTF-8 text; allowed: UTF-8 text files, or move it out of SRC"),
+    ("`attnzoo-data prepare SRC OUT`, a tokenizer over uint32", "--tokenizer: the tokenizer has 4,294,967,297 ids, over uint32 (4,294,967,296); allowed: a vocabulary of at most 2**32 ids"),
+    ("`attnzoo-data prepare SRC2 OUT` into an OUT prepared from SRC", "SRC: <out> was prepared from another source (<src>, fingerprint 1a2b3c4d5e6f; this SRC: <src2>, 6f5e4d3c2b1a); allowed: the same SRC, or another OUT"),
+    ("`attnzoo-data prepare SRC OUT` with another tokenizer (or `--val-fraction`, `--seed`, `--text-field`) than OUT's", "--tokenizer: <out> was prepared with another tokenizer (kind=file, sha256=..., ...; asked: kind=bpe, vocab_size=300, ...); allowed: the same tokenizer options, or another OUT"),
+    ("`attnzoo-data prepare SRC DIR` (DIR holds other files)", "OUT: <dir> is not empty and not a folder attnzoo-data prepared; allowed: a new or empty directory, or a folder attnzoo-data prepared"),
+    ("`attnzoo-data info DIR` (not a prepared folder)", "OUT: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
+    ("`attnzoo-data info OUT` (or prepare) on a manifest from a newer attnzoo", "OUT: <out>/manifest.json is version 99 (attnzoo 9.0); this attnzoo reads version <= 1; allowed: a newer attnzoo, or prepare it again"),
 ]
 
 
