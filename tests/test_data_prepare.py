@@ -259,3 +259,12 @@ def test_kill_and_resume(tmp_path, tokenizer_file):
             unit_bytes=2048, val_fraction=0.1, num_workers=2, progress=False)
     assert split_docs(tmp_path / "out") == split_docs(tmp_path / "whole")
     assert read_manifest(tmp_path / "out")["splits"] == read_manifest(tmp_path / "whole")["splits"]
+
+
+def test_bad_record_in_a_worker(tmp_path, capsys, tokenizer_file):
+    """A malformed line past the first (found by a tokenizer worker, not the up-front check) is one line too."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text('{"text": "hello there"}\n{"text": "oops"\n')
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--tokenizer-file",
+                            str(tokenizer_file), "--quiet"])
+    assert line == f"SRC: {tmp_path}/src/a.jsonl byte 24 is not JSON; allowed: one JSON object per line"

@@ -185,9 +185,15 @@ def _optimize(fn: EncodeUnits, inputs: list[int], out: Path, o: PrepareOptions) 
     from litdata import optimize  # the shard writer; imported when there is work
     from litdata.streaming.item_loader import TokensLoader
 
-    optimize(fn=fn, inputs=inputs, output_dir=str(out), num_workers=min(o.num_workers, len(inputs)),
-             chunk_bytes=o.chunk_bytes, item_loader=TokensLoader(), verbose=False, reorder_files=False,
-             start_method="fork" if sys.platform == "linux" else "spawn")
+    try:
+        optimize(fn=fn, inputs=inputs, output_dir=str(out), num_workers=min(o.num_workers, len(inputs)),
+                 chunk_bytes=o.chunk_bytes, item_loader=TokensLoader(), verbose=False, reorder_files=False,
+                 start_method="fork" if sys.platform == "linux" else "spawn")
+    except RuntimeError as e:  # litdata re-raises a worker's error as the text of its traceback
+        found = [line for line in str(e).splitlines() if line.startswith("attnzoo.config.errors.ConfigError: ")]
+        if found:
+            raise ConfigError(found[-1].split(": ", 1)[1]) from None
+        raise
 
 
 def _index(folder: Path) -> dict:

@@ -211,16 +211,16 @@ def documents(unit: dict, field: str = "text", txt_docs: str = "blank") -> Itera
                 if not line:
                     break
                 if line.strip():
-                    text = json.loads(line).get(field)
-                    if isinstance(text, str) and text.strip():
+                    text = _field(line, field, unit, f"byte {pos}")
+                    if text:
                         yield f"{rel}:{pos}", text
                 pos += len(line)
     elif kind == ".jsonl.zst":
         with _zst_lines(Path(unit["path"])) as lines:
             for n, line in enumerate(lines, 1):
                 if line.strip():
-                    text = json.loads(line).get(field)
-                    if isinstance(text, str) and text.strip():
+                    text = _field(line, field, unit, f"line {n}")
+                    if text:
                         yield f"{rel}:{n}", text
     elif kind == ".parquet":
         import pyarrow.parquet as pq  # parquet inputs only
@@ -238,6 +238,17 @@ def documents(unit: dict, field: str = "text", txt_docs: str = "blank") -> Itera
             text = rec.get(field)
             if isinstance(text, str) and text.strip():
                 yield str(row), text
+
+
+def _field(line: bytes, field: str, unit: dict, where: str) -> str | None:
+    """The text of one JSON line (None when missing, null or blank: such records are skipped)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        raise ConfigError(f"{unit['path']} {where} is not JSON; allowed: one JSON object per line", field="SRC") \
+            from None
+    text = rec.get(field) if isinstance(rec, dict) else None
+    return text if isinstance(text, str) and text.strip() else None
 
 
 def _txt_documents(unit: dict, txt_docs: str) -> Iterator[tuple[str, str]]:
