@@ -151,6 +151,7 @@ def test_tokenizer_model_dir(tmp_path, tokenizer_file):
     model.mkdir()
     (model / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    (tmp_path / "out" / ".work").mkdir(parents=True)  # a run killed before it wrote its plan: started afresh
     m = prepare(tmp_path / "src", tmp_path / "out", tokenizer="model", tokenizer_model=str(model), **FAST)
     assert m["tokenizer"]["kind"] == "model" and m["tokenizer"]["sha256"] == prep.file_sha256(tokenizer_file)
 

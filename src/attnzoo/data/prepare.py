@@ -244,7 +244,8 @@ def _tok_text(t: dict) -> str:
 def prepare(src: str | Path, out: str | Path, **options) -> dict:
     """Tokenize SRC into OUT (the prepared-corpus contract); returns the manifest. Resumes a killed run from
     its finished parts; on a finished OUT of the same SRC and options it does nothing and returns its manifest.
-    Every refusal is a one-line ConfigError raised before any work."""
+    Bad input is a one-line ConfigError raised before any work (a malformed record deep in a file, found by a
+    worker, is one line too)."""
     names = {f.name for f in fields(PrepareOptions)}
     unknown = sorted(set(options) - names)
     if unknown:
@@ -257,7 +258,8 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
                           field="OUT")
     work = out / ".work"
     done = read_manifest(out) if (out / "manifest.json").exists() else None
-    if done is None and out.is_dir() and any(out.iterdir()) and not (work / "plan.json").is_file():
+    others = [p for p in out.iterdir() if p.name != ".work"] if out.is_dir() else []
+    if done is None and others and not (work / "plan.json").is_file():  # .work alone: killed before its plan
         raise ConfigError(f"{out} is not empty and not a folder attnzoo-data prepared; allowed: a new or empty "
                           f"directory, or a folder attnzoo-data prepared", field="OUT")
     source, units = resolve_source(str(src), o)
