@@ -116,5 +116,5 @@ class GLA(GatedLinearMixer):
 
     def log_decay(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         B, T, H, Dk = q.shape
-        gk = upcast(self.gk_proj(x)).to(q.dtype).reshape(B, T, H, Dk)
+        gk = upcast(self.gk_proj(x)).reshape(B, T, H, Dk)  # q is upcast too: the same dtype
         return (F.logsigmoid(gk) / self.cfg.gate_logit_normalizer).transpose(1, 2)
