@@ -10,7 +10,8 @@ form, ops/packing.py). Validation reads OUT/val in order.
 
 Resume is exact: the training loader's state in the checkpoint is litdata's state at the batch the training
 loop has consumed (recorded after every batch by `DataPositionCallback`), not at the batch litdata has handed
-out (Lightning fetches one ahead, the workers more), so a resumed run continues with the very next batch.
+out (a fetcher may run ahead: Lightning's fetches one batch ahead of a loader without a length), so a resumed run
+continues with the very next batch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 from unittest import mock
 
 import lightning as L
@@ -152,6 +153,16 @@ class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
     ResumableDataLoader), and `state_dict` is litdata's state after exactly those batches. litdata hands out
     batch k of an epoch from worker k mod num_workers, so that state is its own, computed for k batches."""
 
+    _resuming = False  # a loaded state not yet iterated from
+
+    def __iter__(self) -> Iterator:
+        # litdata replays a loaded state on every iteration until one runs to its end, but the training loop
+        # stops an epoch after len(loader) batches without exhausting it: the state is for the next iteration only
+        if not self._resuming:
+            self.restore = False
+        self._resuming = False
+        yield from super().__iter__()
+
     def state_dict(self) -> dict[str, Any]:
         if self.position is None:
             return super().state_dict()
@@ -171,6 +182,7 @@ class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
         world = str(self.dataset.distributed_env.world_size)
         with mock.patch.dict(os.environ, {"WORLD_SIZE": world}):
             StreamingDataLoader.load_state_dict(self, state)  # mid-epoch: the next iteration replays to the position
+        self._resuming = True
 
 
 @register_data("shards", ShardsDataConfig)

@@ -113,16 +113,22 @@ class ThroughputMonitor(L.Callback):
 
 class TrainingSpend(L.Callback):
     """Logs `train/tokens` and `train/flops` after every optimizer step: what the run has trained on so far,
-    all ranks together (steps x tokens per step, x the model's training FLOPs per token; attnzoo/config/stops.py)."""
+    all ranks together (steps x tokens per step, x the model's training FLOPs per token; attnzoo/config/stops.py).
+    A data module that counts what its loader delivered (data=shards: `tokens_seen()`, from the consumed
+    position) adds `train/tokens_seen`, the same count from the data side (ahead of train/tokens by the
+    micro-batches of an optimizer step in progress)."""
 
     def __init__(self, length) -> None:
         self.length = length
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        pl_module.log_dict({"train/tokens": float(step * self.length.tokens_per_step),
-                            "train/flops": float(step * self.length.flops_per_step)},
-                           on_step=True, on_epoch=False, rank_zero_only=True)
+        metrics = {"train/tokens": float(step * self.length.tokens_per_step),
+                   "train/flops": float(step * self.length.flops_per_step)}
+        seen = getattr(trainer.datamodule, "tokens_seen", None)
+        if seen is not None and seen() is not None:
+            metrics["train/tokens_seen"] = float(seen())
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
 class PreemptionCheckpoint(L.Callback):

@@ -15,7 +15,9 @@ from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, Tr
 from attnzoo.data import DATAMODULES
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.registry import MIXERS
+from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
+from attnzoo.training.launch import requested_devices
 
 
 def _check_trainer(t: TrainerConfig) -> None:
@@ -155,10 +157,10 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     check_layout(data.seq_len, cp, resolve_layout(t.context_parallel_layout, [mc.name for mc in mixers]), tail)
 
 
-def _check_length(run: Any, model: ModelConfig) -> None:
+def _check_length(run: Any, model: ModelConfig, data: Any) -> None:
     """trainer.max_steps / max_tokens / max_flops (attnzoo/config/stops.py): positive or null, at least one given;
     the budgets for decoder LMs (their FLOPs per token are the model's own count), not with linearize's
-    stage plan."""
+    stage plan; a token budget of at least one optimizer step."""
     t = run.trainer
     check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps",
           f"must be positive (or null with trainer.max_tokens / max_flops), got {t.max_steps}")
@@ -173,6 +175,12 @@ def _check_length(run: Any, model: ModelConfig) -> None:
               f"({fam.name} family): null (trainer.max_steps)")
         check(run.linearize is None, f"trainer.{key}", "with experiment=linearize: its stages set the steps; "
               "allowed: null")
+    if t.max_tokens is not None:
+        per_step = tokens_per_step(data.batch_size, data.seq_len, t.accumulate_grad_batches,
+                                   max(1, requested_devices(t) * t.num_nodes // t.context_parallel))
+        check(t.max_tokens >= per_step, "trainer.max_tokens", f"{t.max_tokens:.4g} is below one batch ({per_step:,} "
+              f"tokens a step: data.batch_size x data.seq_len x accumulation x data-parallel ranks); allowed: "
+              f">= {per_step}")
     check(t.max_steps is not None or t.max_tokens is not None or t.max_flops is not None, "trainer.max_steps",
           "is null and no budget is set; allowed: a positive number of steps, or trainer.max_tokens / max_flops")
 
@@ -274,7 +282,7 @@ def validate(cfg: DictConfig) -> dict:
     check(run.scheduler.warmup_steps >= 0, "scheduler.warmup_steps", f"must be >= 0, got {run.scheduler.warmup_steps}")
     check(0 <= run.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
           f"must be in [0, 1] (a fraction of optim.lr), got {run.scheduler.min_lr_ratio}")
-    _check_length(run, model)
+    _check_length(run, model, data)
     _check_trainer(run.trainer)
     _check_callbacks(callbacks_node or {}, data, model)
     _check_output_dir(run.paths.output_dir)

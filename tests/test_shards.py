@@ -1,0 +1,277 @@
+"""data=shards (issue 27): a prepared corpus streamed with litdata. Batches as data=text gives them (packing's
+document masks included); over an epoch on 2 ranks x 2 workers every block exactly once; the loader's checkpoint
+state resumes at the exact batch (in process, after a SIGKILL through `attnzoo-train --resume`, and on 2 DDP ranks
+x 2 workers); train/tokens_seen and trainer.max_tokens; the manifest in summary.json; bad input in one line."""
+import csv
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import attnzoo.data.shards as shards
+from attnzoo.config.errors import ConfigError
+from attnzoo.data.shards import BlockBatch, ShardsDataConfig, ShardsDataModule
+from attnzoo.data.text import PackedBlocks
+from attnzoo.training.run import train
+from tests.conftest import compose_cfg
+from tests.shards_fixture import numbered_corpus, text_corpus
+from tests.test_faults_ddp import ENV, cli, losses, wait_for_checkpoint
+
+B, T = 8, 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return text_corpus(tmp_path_factory.mktemp("shards") / "out")
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A few documents: an epoch is ~12 batches of 8 x 32, so runs cross epochs."""
+    return text_corpus(tmp_path_factory.mktemp("shards_small") / "out", n_files=5, vocab_size=300, chars=2500)
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    return numbered_corpus(tmp_path_factory.mktemp("shards_numbered") / "out")
+
+
+def base(path) -> list[str]:
+    return ["debug=smoke", "data=shards", f"data.path={path}", f"data.seq_len={T}", f"data.batch_size={B}",
+            "data.num_workers=2", "perf.measure_decode=false", "sample.max_new_tokens=0", "optim.lr=3e-3",
+            "scheduler=constant", "callbacks.save_best=false", "trainer.limit_val_batches=1"]
+
+
+def rows(run_dir) -> list[dict]:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def module(path, rank=0, world=1, monkeypatch=None, **kw) -> ShardsDataModule:
+    if monkeypatch is not None:
+        monkeypatch.setattr(shards, "_rank_world", lambda: (rank, world))
+    dm = ShardsDataModule(ShardsDataConfig(path=str(path), **{"seq_len": 15, "batch_size": 3, **kw}), seed=5)
+    dm.setup("fit")
+    return dm
+
+
+def test_packed_batches_are_data_texts_packed_blocks():
+    """The shards stream (each document ending with its end-of-text) is data=text's document stream (each
+    starting with its separator) without the first separator: the same blocks give the same (x, y, masks, doc_ids)."""
+    rng = np.random.default_rng(0)
+    eos, docs = 0, [rng.integers(1, 50, int(n)).tolist() for n in rng.integers(1, 30, 40)]
+    text_ids = torch.tensor([t for d in docs for t in [eos] + d], dtype=torch.int32)
+    starts = torch.nonzero(text_ids == eos).flatten()
+    packed = PackedBlocks(text_ids, starts, seq_len=16)
+    for i in range(len(packed)):
+        block = text_ids[i * 16:i * 16 + 17].numpy()
+        got = BlockBatch(eos)([block])
+        want = packed[i]
+        assert len(got) == len(want) == 5
+        for g, w in zip(got, want):
+            assert torch.equal(g[0], w.to(g.dtype)), i
+        assert got[0].dtype == got[1].dtype == got[4].dtype == torch.int64
+    x, y = BlockBatch()([block, block])  # plain blocks: (x, y) only
+    assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_every_block_exactly_once_on_two_ranks_times_two_workers(numbered, monkeypatch):
+    """Over one epoch, 2 ranks x 2 loader workers (real worker processes; each rank's dataset told its rank as
+    DDP would) see every training block at most once, and miss only less than one batch per rank and worker
+    (drop_last). Blocks are recognisable: the token ids are a global counter."""
+    from litdata import StreamingDataset, TokensLoader
+
+    every = StreamingDataset(str(numbered / "train"), item_loader=TokensLoader(block_size=16))
+    assert every.distributed_env.world_size == 1
+    all_blocks = {tuple(every[i].tolist()) for i in range(len(every))}
+    assert len(all_blocks) == len(every) == module(numbered).info["train_blocks"]
+    seen, orders = [], []
+    for rank in range(2):
+        loader = module(numbered, rank, 2, monkeypatch, num_workers=2).train_dataloader()
+        order = [tuple(r.tolist()) + (int(yb[i, -1]),) for x, yb in loader for i, r in enumerate(x)]
+        assert len(order) == len(loader) * 3 > 0
+        orders.append(order)
+        seen += order
+    assert len(seen) == len(set(seen))  # no block twice, across ranks and workers
+    assert set(seen) <= all_blocks
+    assert len(all_blocks) - len(seen) < 2 * 2 * 3  # the drop_last tail only
+    # shuffled from the run's seed: the same seed gives the same order, another seed another
+    again = module(numbered, 0, 2, monkeypatch, num_workers=2).train_dataloader()
+    assert [tuple(r.tolist()) + (int(yb[i, -1]),) for x, yb in again for i, r in enumerate(x)] == orders[0]
+    other = ShardsDataModule(ShardsDataConfig(path=str(numbered), seq_len=15, batch_size=3), seed=6)
+    other.setup("fit")
+    assert [tuple(r.tolist()) for x, _ in other.train_dataloader() for r in x] != [o[:-1] for o in orders[0]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, workers):
+    """The state saved after k consumed batches (whatever litdata and Lightning fetched ahead) gives a fresh
+    loader the uninterrupted epoch's batches from k on; at an epoch's end, the next epoch's."""
+    def run(loader, n=None):
+        out = []
+        for i, (x, _) in enumerate(loader):
+            if n is not None and i == n:
+                break
+            out.append(x)
+        return out
+
+    dm = module(numbered, 1, 2, monkeypatch, num_workers=workers)
+    ref = dm.train_dataloader()
+    epoch1, epoch2 = run(ref), run(ref)
+    n = len(epoch1)
+    assert n >= 6 and not all(torch.equal(a, b) for a, b in zip(epoch1, epoch2))
+    for k in (1, 4, 5, n):
+        first = dm.train_dataloader()
+        run(first, k + 1)  # one batch more fetched than consumed
+        first.position = {"epoch": 0, "batches": k} if k < n else {"epoch": 1, "batches": 0}
+        state = first.state_dict()
+        resumed = module(numbered, 1, 2, monkeypatch, num_workers=workers).train_dataloader()
+        resumed.load_state_dict(state)
+        rest = run(resumed)
+        want = epoch1[k:] if k < n else epoch2
+        assert len(rest) == len(want) and all(torch.equal(a, b) for a, b in zip(rest, want)), k
+        if k < n:  # the epoch after the resumed one is the uninterrupted run's second epoch
+            assert all(torch.equal(a, b) for a, b in zip(run(resumed), epoch2))
+
+
+def test_stop_and_resume_equals_uninterrupted_across_epochs(small_corpus, tmp_path):
+    """1 process x 2 workers, in process: a run stopped at step 9 and resumed to 28 (an epoch is ~20 batches, so
+    the resumed part crosses an epoch boundary, with checkpoints inside both epochs) logs the uninterrupted run's
+    every train/loss."""
+    common = base(small_corpus) + ["trainer.val_check_interval=100", "callbacks.checkpoint_every_n_steps=3"]
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    train(compose_cfg(common + ["trainer.max_steps=28"], ref))
+    train(compose_cfg(common + ["trainer.max_steps=9"], split))
+    ckpt = torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["num_samples_yielded"] == 9 * B
+    train(compose_cfg(common + ["trainer.max_steps=28", "ckpt_path=last"], split))
+    la, lb = losses(ref), losses(split)
+    assert sorted(la) == sorted(lb) == list(range(28))
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
+    summary = json.loads((ref / "summary.json").read_text())
+    assert summary["data"]["train_blocks"] // B < 28  # it did cross epochs
+
+
+def test_sigkill_then_resume_cli_equals_uninterrupted(corpus, tmp_path):
+    """SIGKILL mid-run (1 process x 2 loader workers), then `attnzoo-train --resume RUN_DIR`: every train/loss
+    row from the checkpoint on equals the uninterrupted run's."""
+    common = base(corpus) + ["trainer.max_steps=60", "trainer.val_check_interval=100",
+                             "callbacks.checkpoint_every_n_steps=4"]
+    ref = tmp_path / "ref"
+    train(compose_cfg(common, ref))
+    run = tmp_path / "killed"
+    p = cli(common + [f"hydra.run.dir={run}"])
+    wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 8 <= saved < 60
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = losses(ref), losses(run)
+    after = [s for s in a if s >= saved]
+    assert after and all(s in b for s in after)
+    for s in after:
+        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
+
+
+def test_ddp_two_ranks_two_workers_resume_equals_uninterrupted(small_corpus, tmp_path):
+    """2 DDP processes (trainer=ddp_cpu) x 2 loader workers on shards: the run trains on both ranks, logs
+    train/tokens_seen for both, and a run stopped at step 4 and resumed to 16 (crossing an epoch: ~6 steps each
+    on two ranks) equals the uninterrupted one row for row."""
+    common = base(small_corpus) + ["trainer=ddp_cpu", "trainer.val_check_interval=100",
+                                   "callbacks.checkpoint_every_n_steps=4"]
+    ref, split = tmp_path / "ref", tmp_path / "split"
+    train(compose_cfg(common + ["trainer.max_steps=16"], ref))
+    summary = json.loads((ref / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 16
+    seen = [float(r["train/tokens_seen"]) for r in rows(ref) if r.get("train/tokens_seen")]
+    assert seen == [float(2 * B * T * s) for s in range(1, 17)]
+    train(compose_cfg(common + ["trainer.max_steps=4"], split))
+    train(compose_cfg(common + ["trainer.max_steps=16", "ckpt_path=last"], split))
+    la, lb = losses(ref), losses(split)
+    assert sorted(la) == sorted(lb) == list(range(16))
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
+
+
+def test_token_budget_tokens_seen_and_the_manifest_in_the_summary(corpus, tmp_path):
+    """trainer.max_tokens stops a data=shards run (5 steps for 4.5 batches' worth); train/tokens_seen (the
+    loader's consumed count) equals train/tokens step for step; summary.json's data section has the path and
+    the manifest; the run's sample and attnzoo-generate's load() encode / decode with OUT/tokenizer.json."""
+    from attnzoo.inference.generate import load
+
+    out = tmp_path / "run"
+    train(compose_cfg(base(corpus) + [f"trainer.max_tokens={int(4.5 * B * T)}", "trainer.max_steps=null",
+                                      "sample.max_new_tokens=8", "trainer.val_check_interval=100"], out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 5 and summary["length"]["limit"] == "trainer.max_tokens"
+    spent = [r for r in rows(out) if r.get("train/tokens_seen")]
+    assert [float(r["train/tokens_seen"]) for r in spent] == [float(r["train/tokens"]) for r in spent] == \
+        [float(B * T * s) for s in range(1, 6)]
+    data = summary["data"]
+    assert data["name"] == "shards" and data["path"] == str(corpus.resolve())
+    assert data["manifest"] == json.loads((corpus / "manifest.json").read_text())
+    assert summary["model"]["vocab_size"] == data["manifest"]["tokenizer"]["vocab_size"]
+    assert isinstance(summary["sample"], str) and summary["sample"]
+    run = load(out)
+    assert run.decode(run.encode("def main():")) == "def main():"
+
+
+def _refused(overrides, tmp_path, field, match):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        train(compose_cfg(overrides, out))
+    msg = str(e.value)
+    assert msg.startswith(f"{field}:") and "\n" not in msg and match in msg, msg
+    assert not out.exists()  # refused before anything was written
+    return msg
+
+
+def test_bad_input_is_refused_in_one_line_before_any_work(corpus, tmp_path):
+    def prepared(name, **change):
+        folder = tmp_path / name
+        subprocess.run(["cp", "-r", str(corpus), str(folder)], check=True)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for key, value in change.items():
+            if value is None:
+                manifest.pop(key)
+            else:
+                manifest[key] = value
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        return folder
+
+    def bad(path, *extra):
+        return base(path) + ["trainer.max_steps=2", *extra]
+
+    _refused(bad(tmp_path / "nope"), tmp_path, "data.path", "does not exist")
+    _refused(["debug=smoke", "data=shards"], tmp_path, "data.path", "is required with data=shards")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text("hello")
+    _refused(bad(raw), tmp_path, "data.path", "no manifest.json")
+    _refused(bad(prepared("partial", complete=False)), tmp_path, "data.path", "is not complete")
+    _refused(bad(prepared("partial2", complete=None)), tmp_path, "data.path", "is not complete")
+    _refused(bad(prepared("newer", version=2)), tmp_path, "data.path", "newer attnzoo (manifest version 2")
+    longest = json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["max_document_tokens"]
+    _refused(base(corpus) + ["data.packing=true", f"data.seq_len={longest + 1}", f"model.max_seq_len={longest + 1}"],
+             tmp_path, "data.seq_len", f"longer than every document of {corpus} (the longest: {longest} tokens)")
+    vocab = json.loads((corpus / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    _refused(bad(corpus, f"data.vocab_size={vocab - 1}"), tmp_path, "data.vocab_size", f"allowed: >= {vocab}")
+    _refused(bad(corpus, f"trainer.max_tokens={B * T - 1}", "trainer.max_steps=null"), tmp_path,
+             "trainer.max_tokens", f"is below one batch ({B * T} tokens a step")
+    with pytest.raises(ConfigError, match=rf"^model.vocab_size: {vocab - 1} embedding rows, fewer than"):
+        ShardsDataConfig(path=str(corpus)).validate(type("M", (), {"vocab_size": vocab - 1})(), "data")
+
+
+def test_packing_run_trains_on_document_masks(corpus, tmp_path):
+    out = tmp_path / "packed"
+    metrics = train(compose_cfg(base(corpus) + ["data.packing=true", "trainer.max_steps=3",
+                                                "trainer.val_check_interval=3"], out))
+    assert metrics["val/loss"] > 0
