@@ -275,3 +275,22 @@ def test_packing_run_trains_on_document_masks(corpus, tmp_path):
     metrics = train(compose_cfg(base(corpus) + ["data.packing=true", "trainer.max_steps=3",
                                                 "trainer.val_check_interval=3"], out))
     assert metrics["val/loss"] > 0
+
+
+def test_data_text_says_in_one_line_when_max_chars_cuts_a_users_corpus(tmp_path, capsys):
+    """data=text with a data.path longer than data.max_chars names `attnzoo-data prepare` in one line instead of
+    cutting silently; a corpus within the cap and the embedded corpus (capped by design) print nothing."""
+    from attnzoo.data.text import TextDataConfig, TextDataModule
+
+    (tmp_path / "big.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    for path, cap, said in ((tmp_path / "big.txt", 3000, True), (tmp_path / "big.txt", 10**6, False),
+                            (None, 300000, False)):
+        dm = TextDataModule(TextDataConfig(path=path and str(path), max_chars=cap, tokenizer="char", seq_len=16),
+                            cache_dir=str(tmp_path / "cache"))
+        dm.setup("fit")
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if "data.max_chars" in ln]
+        assert len(lines) == int(said), lines
+        if said:
+            assert f"data.path={path} (0.0 MB) is longer than data.max_chars=3,000" in lines[0]
+            assert f"`attnzoo-data prepare {path} OUT` then data=shards data.path=OUT" in lines[0]
+            assert dm.info["chars"] == 3000

@@ -68,5 +68,18 @@ def load_documents(path: Optional[str], max_chars: Optional[int]) -> tuple[list[
     return parts, source
 
 
+def cap_notice(path: Optional[str], max_chars: Optional[int], kept: str) -> Optional[str]:
+    """The one line a run prints when data.max_chars cut a user's data.path (the embedded corpus is capped by
+    design): how much it kept, and the way to train on all of it. None when nothing was cut."""
+    if path is None or max_chars is None or len(kept) < max_chars:
+        return None
+    p = Path(path).expanduser()
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES]
+    size = sum(f.stat().st_size for f in files)
+    return (f"attnzoo: data.path={path} ({size / 1e6:,.1f} MB) is longer than data.max_chars={max_chars:,} characters: "
+            f"training on its first {max_chars:,} only; for all of it, stream it: `attnzoo-data prepare {path} OUT` "
+            f"then data=shards data.path=OUT (or data.max_chars=null, read whole into memory)")
+
+
 def text_sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", errors="replace")).hexdigest()[:16]

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.data import register_data
-from attnzoo.data.corpus import load_corpus, load_documents, text_sha
+from attnzoo.data.corpus import cap_notice, load_corpus, load_documents, text_sha
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
 
@@ -19,7 +19,9 @@ from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, f
 class TextDataConfig:
     name: str = "text"
     path: Optional[str] = None  # null: the embedded corpus (this Python's stdlib sources); or a file / folder
-    max_chars: Optional[int] = 2_000_000  # cap on corpus characters read
+    # cap on corpus characters read (a data.path cut by it is reported in one line naming `attnzoo-data prepare`,
+    # which prepares a corpus of any size for data=shards); null: all of it, in memory
+    max_chars: Optional[int] = 2_000_000
     tokenizer: str = "bpe"  # bpe | char | file (tokenizer_file)
     # bpe: the vocabulary learned; char: unused (the corpus's characters); file: the embedding rows, >= the
     # file's tokens (model.init_from sets it to the imported model's vocab_size)
@@ -169,6 +171,9 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
             return
         cfg = self.cfg
         text, source = load_corpus(cfg.path, cfg.max_chars)
+        notice = cap_notice(cfg.path, cfg.max_chars, text)
+        if notice:  # a user's corpus cut to the cap: said, not silent
+            print(notice, flush=True)
         sha = text_sha(text)
         if cfg.tokenizer == "file":
             self.tokenizer = load_tokenizer_file(cfg.tokenizer_file, cfg.vocab_size)
