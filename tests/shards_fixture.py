@@ -48,9 +48,10 @@ def write_prepared(out: Path, train: list[np.ndarray], val: list[np.ndarray], to
     return out
 
 
-def text_corpus(out: Path, n_files: int = 40, vocab_size: int = 384, chunk_size: int = 4096) -> Path:
-    """A small real-text corpus: stdlib sources, one document per file, a byte-level BPE trained on them."""
-    texts = [f.read_text(errors="replace")[:6000] for f in stdlib_files()[:n_files]]
+def text_corpus(out: Path, n_files: int = 40, vocab_size: int = 384, chunk_size: int = 4096, chars: int = 6000) -> Path:
+    """A small real-text corpus: stdlib sources (each file's first `chars` characters), one document per file, a
+    byte-level BPE trained on them."""
+    texts = [f.read_text(errors="replace")[:chars] for f in stdlib_files()[:n_files]]
     tok = BPETokenizer.train("\n".join(texts), vocab_size)
     eos = tok.tok.token_to_id("<|endoftext|>")
     docs = [np.array(tok.encode(t) + [eos], dtype=np.uint16) for t in texts]
