@@ -55,6 +55,14 @@ EXTRA = [
     ("`attnzoo-data prepare SRC DIR` (DIR holds other files)", "OUT: <dir> is not empty and not a folder attnzoo-data prepared; allowed: a new or empty directory, or a folder attnzoo-data prepared"),
     ("`attnzoo-data info DIR` (not a prepared folder)", "OUT: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
     ("`attnzoo-data info OUT` (or prepare) on a manifest from a newer attnzoo", "OUT: <out>/manifest.json is version 99 (attnzoo 9.0); this attnzoo reads version <= 1; allowed: a newer attnzoo, or prepare it again"),
+    # data=shards (tests/test_shards.py): refused before any work
+    ("`data=shards` without `data.path`", "data.path: is required with data=shards; allowed: a folder written by `attnzoo-data prepare SRC OUT`"),
+    ("`data=shards data.path=DIR` (not a prepared folder)", "data.path: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
+    ("`data=shards data.path=OUT`, OUT's prepare did not finish", "data.path: <out>/manifest.json is not complete; allowed: run attnzoo-data prepare again to finish it"),
+    ("`data=shards data.path=OUT`, a manifest from a newer attnzoo", "data.path: <out>/manifest.json is version 2 (attnzoo 9.0); this attnzoo reads version <= 1; allowed: a newer attnzoo, or prepare it again"),
+    ("`data=shards data.packing=true data.seq_len=1913`, every document shorter", "data.seq_len: 1913 is longer than every document of <out> (the longest: 1912 tokens): with data.packing=true no token would see more than 1912 tokens of context; allowed: <= 1912, or data.packing=false"),
+    ("`data=shards data.vocab_size=100` (fewer rows than OUT's tokenizer)", "data.vocab_size: 100 embedding rows, fewer than <out>'s tokenizer (300 tokens); allowed: >= 300, or null (the manifest's)"),
+    ("`trainer.max_tokens=100` with 8 x 32 tokens a step", "trainer.max_tokens: 100 is below one batch (256 tokens a step: data.batch_size x data.seq_len x accumulation x data-parallel ranks); allowed: >= 256"),
 ]
 
 
