@@ -258,7 +258,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(corpus, tmp_path):
     _refused(bad(raw), tmp_path, "data.path", "no manifest.json")
     _refused(bad(prepared("partial", complete=False)), tmp_path, "data.path", "is not complete")
     _refused(bad(prepared("partial2", complete=None)), tmp_path, "data.path", "is not complete")
-    _refused(bad(prepared("newer", version=2)), tmp_path, "data.path", "newer attnzoo (manifest version 2")
+    _refused(bad(prepared("newer", version=2)), tmp_path, "data.path", "is version 2 (attnzoo tests); this attnzoo reads")
     longest = json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["max_document_tokens"]
     _refused(base(corpus) + ["data.packing=true", f"data.seq_len={longest + 1}", f"model.max_seq_len={longest + 1}"],
              tmp_path, "data.seq_len", f"longer than every document of {corpus} (the longest: {longest} tokens)")

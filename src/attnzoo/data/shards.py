@@ -31,11 +31,10 @@ from litdata.utilities.env import _DistributedEnv
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
+from attnzoo.data.prepare import read_manifest as read_prepared_manifest
 from attnzoo.data.sampling import ResumableDataLoader, _rank_world
 from attnzoo.data.tokenizer import FileTokenizer
 
-SHARDS_FORMAT = "attnzoo-shards"
-SHARDS_VERSION = 1  # the newest manifest version this reader understands
 PREPARE = "attnzoo-data prepare SRC OUT"
 # Lightning warns that an IterableDataset with __len__ may repeat data across workers; litdata gives each
 # worker its own share (tests/test_shards.py: every block exactly once)
@@ -79,33 +78,15 @@ class ShardsDataConfig:
 
 
 def read_manifest(path: str, field: str = "data.path") -> dict:
-    """OUT/manifest.json, checked: a finished `attnzoo-data prepare` output of a version this reader knows, its
-    tokenizer and splits present. One-line ConfigError naming `field` otherwise."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        what = "is a file" if root.exists() else "does not exist"
-        raise ConfigError(f"{path} {what}; allowed: a folder written by `{PREPARE}`", field=field)
+    """OUT/manifest.json, checked as `attnzoo-data info` checks it (a finished prepare output of a version this
+    attnzoo reads: prepare.read_manifest), with its tokenizer and splits present. One-line ConfigError naming
+    `field` otherwise."""
     try:
-        manifest = json.loads((root / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} is not a prepared corpus (no manifest.json); allowed: a folder written by "
-                          f"`{PREPARE}` (for raw text: data=text data.path={path})", field=field) from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}/manifest.json is unreadable ({str(e).splitlines()[0][:120]}); allowed: run "
-                          f"`{PREPARE}` again", field=field) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != SHARDS_FORMAT:
-        raise ConfigError(f"{path}/manifest.json is not an {SHARDS_FORMAT} manifest; allowed: a folder written by "
-                          f"`{PREPARE}`", field=field)
-    version = manifest.get("version")
-    if not isinstance(version, int) or version > SHARDS_VERSION:
-        raise ConfigError(f"{path} was prepared by a newer attnzoo (manifest version {version!r}, "
-                          f"{manifest.get('created_by', '?')}); allowed: version <= {SHARDS_VERSION} (upgrade attnzoo, "
-                          f"or prepare it again with this one)", field=field)
-    if manifest.get("complete") is not True:
-        raise ConfigError(f"{path} is not complete (its `{PREPARE}` did not finish); allowed: run the same command "
-                          f"again, it resumes", field=field)
+        manifest = read_prepared_manifest(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).removeprefix(f"{e.field}: "), field=field) from None
     for part in ("tokenizer.json", "train/index.json", "val/index.json"):
-        if not (root / part).is_file():
+        if not (Path(path).expanduser() / part).is_file():
             raise ConfigError(f"{path} has no {part}; allowed: a folder written by `{PREPARE}`", field=field)
     return manifest
 
