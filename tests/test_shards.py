@@ -11,11 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from litdata import StreamingDataset, TokensLoader
 
 import attnzoo.data.shards as shards
 from attnzoo.config.errors import ConfigError
+from attnzoo.data.corpus import stdlib_files
+from attnzoo.data.prepare import prepare
 from attnzoo.data.shards import BlockBatch, ShardsDataConfig, ShardsDataModule
-from attnzoo.data.text import PackedBlocks
+from attnzoo.data.text import PackedBlocks, TextDataConfig, TextDataModule
+from attnzoo.inference.generate import load
 from attnzoo.training.run import train
 from tests.conftest import compose_cfg
 from tests.shards_fixture import numbered_corpus, text_corpus
@@ -83,8 +87,6 @@ def test_every_block_exactly_once_on_two_ranks_times_two_workers(numbered, monke
     """Over one epoch, 2 ranks x 2 loader workers (real worker processes; each rank's dataset told its rank as
     DDP would) see every training block at most once, and miss only less than one batch per rank and worker
     (drop_last). Blocks are recognisable: the token ids are a global counter."""
-    from litdata import StreamingDataset, TokensLoader
-
     every = StreamingDataset(str(numbered / "train"), item_loader=TokensLoader(block_size=16))
     assert every.distributed_env.world_size == 1
     all_blocks = {tuple(every[i].tolist()) for i in range(len(every))}
@@ -205,8 +207,6 @@ def test_token_budget_tokens_seen_and_the_manifest_in_the_summary(corpus, tmp_pa
     """trainer.max_tokens stops a data=shards run (5 steps for 4.5 batches' worth); train/tokens_seen (the
     loader's consumed count) equals train/tokens step for step; summary.json's data section has the path and
     the manifest; the run's sample and attnzoo-generate's load() encode / decode with OUT/tokenizer.json."""
-    from attnzoo.inference.generate import load
-
     out = tmp_path / "run"
     train(compose_cfg(base(corpus) + [f"trainer.max_tokens={int(4.5 * B * T)}", "trainer.max_steps=null",
                                       "sample.max_new_tokens=8", "trainer.val_check_interval=100"], out))
@@ -280,8 +280,6 @@ def test_packing_run_trains_on_document_masks(corpus, tmp_path):
 def test_data_text_says_in_one_line_when_max_chars_cuts_a_users_corpus(tmp_path, capsys):
     """data=text with a data.path longer than data.max_chars names `attnzoo-data prepare` in one line instead of
     cutting silently; a corpus within the cap and the embedded corpus (capped by design) print nothing."""
-    from attnzoo.data.text import TextDataConfig, TextDataModule
-
     (tmp_path / "big.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     for path, cap, said in ((tmp_path / "big.txt", 3000, True), (tmp_path / "big.txt", 10**6, False),
                             (None, 300000, False)):
@@ -294,3 +292,19 @@ def test_data_text_says_in_one_line_when_max_chars_cuts_a_users_corpus(tmp_path,
             assert f"data.path={path} (0.0 MB) is longer than data.max_chars=3,000" in lines[0]
             assert f"`attnzoo-data prepare {path} OUT` then data=shards data.path=OUT" in lines[0]
             assert dm.info["chars"] == 3000
+
+
+def test_trains_on_what_attnzoo_data_prepare_wrote(tmp_path):
+    """The contract end to end: a folder `attnzoo-data prepare` wrote (prepare(), its library entry) trains
+    with data=shards, in its tokenizer's vocabulary."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in stdlib_files()[:12]:
+        (src / f"{f.stem}.txt").write_text(f.read_text(errors="replace")[:8000])
+    out = tmp_path / "out"
+    prepare(str(src), str(out), vocab_size=300, val_fraction=0.2, num_workers=1, txt_docs="file", progress=False,
+            chunk_bytes=4096)
+    run = tmp_path / "run"
+    metrics = train(compose_cfg(base(out) + ["trainer.max_steps=2", "trainer.val_check_interval=2"], run))
+    summary = json.loads((run / "summary.json").read_text())
+    assert metrics["val/loss"] > 0 and summary["model"]["vocab_size"] == summary["data"]["manifest"]["tokenizer"]["vocab_size"]
