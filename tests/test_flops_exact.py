@@ -112,6 +112,7 @@ RECURRENT = {
     "gated_deltanet-C8+conv3": {"name": "gated_deltanet", "chunk_size": 8, "conv_size": 3},
     "gla-C8": {"name": "gla", "chunk_size": 8}, "gla-C4+conv3": {"name": "gla", "chunk_size": 4, "conv_size": 3},
     "retnet": {"name": "retnet"}, "retnet-C8": {"name": "retnet", "chunk_size": 8},
+    "hgrn2-C8": {"name": "hgrn2", "chunk_size": 8}, "hgrn2-C4+conv3": {"name": "hgrn2", "chunk_size": 4, "conv_size": 3},
 }
 
 

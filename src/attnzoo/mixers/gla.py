@@ -5,9 +5,10 @@ Hardware-Efficient Training", arXiv:2312.06635), as fla's `GatedLinearAttention`
     alpha_t = sigmoid(W_2 W_1 x_t + b)^(1/16)   (log alpha_t = logsigmoid(.) / 16, one per key channel),
 
 a data-dependent forget gate per key channel through a low-rank projection (d_model -> 16 -> H d_k), then a
-per-head RMSNorm on the output gated by SiLU(W_g x) and the output projection. `GatedLinearMixer` holds what GLA
-and RetNet (mixers/retnet.py) share: the forms of the one op they reduce to (ops/gated_linear_attention.py) on a
-per-step log-decay the subclass computes (`log_decay`). `impl="reference"` runs the per-token recurrence.
+per-head RMSNorm on the output gated by SiLU(W_g x) and the output projection. `GatedLinearMixer` holds what GLA,
+RetNet (mixers/retnet.py) and HGRN2 (mixers/hgrn2.py) share: the forms of the one op they reduce to
+(ops/gated_linear_attention.py) on a per-step log-decay the subclass computes (`log_decay`, or its own `mix` through
+`gated`), the layer's sizes from its config (`layout`). `impl="reference"` runs the per-token recurrence.
 """
 from __future__ import annotations
 
@@ -59,17 +60,23 @@ class GatedLinearMixer(RecurrentMixer):
     # torch forms on every device: fla's chunk_gla / chunk_retention kernels are not wired here (ops/fla_kernels.py)
     kernel_family = "other"
 
+    # q's scale in the op: None = d_k^-1/2 (GLA, RetNet, HGRN2 as fla runs them); Mamba-2's SSD reads unscaled (1.0)
+    scale: Optional[float] = None
+
     def __init__(self, cfg, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
+        self.chunk_size = cfg.chunk_size
+        self.build(**self.layout(cfg, model_cfg))
+
+    def layout(self, cfg, model_cfg) -> dict:
+        """`build`'s arguments from the config: n_heads heads of d_k = head_dim, d_v = v_head_dim (null: the model's
+        head size), the conv, q/k/v activation and output norm / gate as configured."""
         h = cfg.n_heads or model_cfg.n_heads
         dk = cfg.head_dim or model_cfg.head_dim  # resolved by config.resolve_model
         dv = cfg.v_head_dim or dk
-        self.chunk_size = cfg.chunk_size
-        self.build(
-            n_qk_heads=h, n_v_heads=h, qk_dim=dk, v_dim=dv, state_shape=(dk, dv),
-            conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, activation=cfg.qkv_activation,
-            output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps,
-        )
+        return dict(n_qk_heads=h, n_v_heads=h, qk_dim=dk, v_dim=dv, state_shape=(dk, dv),
+                    conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, activation=cfg.qkv_activation,
+                    output_norm=cfg.use_output_norm, output_gate=cfg.use_gate, norm_eps=cfg.norm_eps)
 
     @classmethod
     def linearize_sizes(cls, n_heads: int, head_dim: int) -> dict:
@@ -81,7 +88,11 @@ class GatedLinearMixer(RecurrentMixer):
         raise NotImplementedError
 
     def mix(self, q, k, v, x, state, mode, resets=None):
-        g = self.log_decay(x, q)
+        return self.gated(q, k, v, self.log_decay(x, q), x, state, mode, resets)
+
+    def gated(self, q, k, v, g, x, state, mode, resets=None):
+        """The op on q, k (B, T, H, Dk), v (B, T, H, Dv) and log-decays g (B, H, T, Dg) in the form `mode` asks
+        (`recur`) -> (o (B, T, H, Dv), final state)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         state = None if state is None else state.to(q.dtype)
         o, state = self.recur(mode, x, state, resets, q, k, v, g)
@@ -89,13 +100,13 @@ class GatedLinearMixer(RecurrentMixer):
 
     # the forms of gated linear attention (ops/gated_linear_attention.py); g (B, H, T, Dg) log-decays
     def step_op(self, q, k, v, g, *, state):
-        return gated_linear_attention_step(q, k, v, g, state)
+        return gated_linear_attention_step(q, k, v, g, state, self.scale)
 
     def recurrent_op(self, q, k, v, g, *, state):
-        return gated_linear_attention_recurrent(q, k, v, g, state)
+        return gated_linear_attention_recurrent(q, k, v, g, state, self.scale)
 
     def chunk_op(self, q, k, v, g, *, state, resets=None):
-        return chunk_gated_linear_attention(q, k, v, g, state, chunk_size=self.chunk_size, resets=resets)
+        return chunk_gated_linear_attention(q, k, v, g, state, self.scale, self.chunk_size, resets)
 
     def op_flops_per_token(self, context_len: int) -> float:
         """Chunkwise form per head, chunk C = min(chunk_size, L), per token: 2 C (Dk + Dv) + 4 Dk Dv (the causal
