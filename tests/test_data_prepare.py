@@ -269,3 +269,14 @@ def test_bad_record_in_a_worker(tmp_path, capsys, tokenizer_file):
     line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--tokenizer-file",
                             str(tokenizer_file), "--quiet"])
     assert line == f"SRC: {tmp_path}/src/a.jsonl byte 24 is not JSON; allowed: one JSON object per line"
+
+
+def test_manifest_records_each_splits_longest_document(tmp_path, tokenizer_file):
+    """splits.<split>.max_document_tokens (data=shards refuses packing with seq_len beyond it): the longest
+    document's tokens, its end-of-text id included, as the shards hold them."""
+    make_corpus(tmp_path / "src", n=60)
+    manifest = prepare(tmp_path / "src", tmp_path / "out", tokenizer_file=str(tokenizer_file), val_fraction=0.1,
+                       progress=False)
+    for split in ("train", "val"):
+        items = read_items(tmp_path / "out" / split, manifest["dtype"])
+        assert items and manifest["splits"][split]["max_document_tokens"] == max(len(a) for a in items)

@@ -27,6 +27,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.paths import follow_umask
 from attnzoo.data.sources import (ALLOWED_SRC, SUFFIXES, TXT_DOCS, check_file, documents, fingerprint_files,
@@ -205,6 +207,19 @@ def _counts(index: dict) -> tuple[int, int]:
     return sum(c["dim"] or 0 for c in index["chunks"]), sum(c["chunk_size"] for c in index["chunks"])
 
 
+def _longest(folder: Path, index: dict, itemsize: int) -> int:
+    """Tokens of the longest document (its end-of-text id included), from the chunks' headers only: a chunk
+    starts with uint32 n, then n + 1 uint32 byte offsets of its items."""
+    longest = 0
+    for c in index["chunks"]:
+        with open(folder / c["filename"], "rb") as f:
+            n = int(np.frombuffer(f.read(4), dtype=np.uint32)[0])
+            offsets = np.frombuffer(f.read(4 * (n + 1)), dtype=np.uint32).astype(np.int64)
+        if n:
+            longest = max(longest, int(np.diff(offsets).max()) // itemsize)
+    return longest
+
+
 # ----------------------------------------------------------------------------- prepare
 
 
@@ -381,7 +396,8 @@ def _finish(out: Path, work: Path, plan: dict, source: dict, o: PrepareOptions, 
     for split in SPLITS:
         index = _merge([p / split for p in parts], merged / split)
         tokens, docs = _counts(index)
-        splits[split] = {"dir": split, "tokens": tokens, "documents": docs}
+        splits[split] = {"dir": split, "tokens": tokens, "documents": docs,
+                         "max_document_tokens": _longest(merged / split, index, np.dtype(dtype).itemsize)}
     if splits["train"]["documents"] == 0:
         raise ConfigError(f"{source['path']} holds no document (every one blank, or all drawn for val); allowed: "
                           f"{ALLOWED_SRC}", field="SRC")

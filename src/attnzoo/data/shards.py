@@ -20,7 +20,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 from unittest import mock
 
 import lightning as L
@@ -43,6 +43,7 @@ warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` 
 
 @dataclass
 class ShardsDataConfig:
+    natural_text: ClassVar[bool] = True  # loss / perplexity, no answer accuracy (training/families.py)
     name: str = "shards"
     path: Optional[str] = None  # OUT of `attnzoo-data prepare SRC OUT` (its manifest.json, tokenizer.json, train/, val/)
     seq_len: int = 256

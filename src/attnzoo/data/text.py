@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import lightning as L
 import torch
@@ -17,6 +17,7 @@ from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, f
 
 @dataclass
 class TextDataConfig:
+    natural_text: ClassVar[bool] = True  # loss / perplexity, no answer accuracy (training/families.py)
     name: str = "text"
     path: Optional[str] = None  # null: the embedded corpus (this Python's stdlib sources); or a file / folder
     # cap on corpus characters read (a data.path cut by it is reported in one line naming `attnzoo-data prepare`,

@@ -2,7 +2,6 @@
 
 A family owns a set of `model.name` values (the decoder LM owns every name the others do not claim) and
 provides, from the resolved run config:
-
   build_model(model_cfg, vocab_size) -> nn.Module     the bare network (parameter counts, budgets)
   build_lit(container, model_cfg, dm) -> LightningModule  the training module (one `TrainingModule`
                                                        subclass: aux losses and post-step hooks for all)
@@ -21,6 +20,19 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
+
+from attnzoo.config.errors import ConfigError, check
+from attnzoo.data import DATAMODULES
+from attnzoo.models.decoder import DecoderLM
+from attnzoo.models.encoder_decoder import EncoderDecoder, EncoderMLM
+from attnzoo.models.encoder_decoder import split_config as split_encdec_config
+from attnzoo.models.vision import ImageClassifier, VisionLanguageModel
+from attnzoo.models.vision.options import image_tokens
+from attnzoo.models.vision.options import split_config as split_vision_config
+from attnzoo.training.linearize import LitLinearize
+from attnzoo.training.lit_lm import LitLM
+from attnzoo.training.lit_seq2seq import LitMLM, LitSeq2Seq
+from attnzoo.training.lit_vision import LitImageClassifier, LitVLM
 
 SEQ2SEQ_DATA = ("reversal", "sorting", "addition")  # (src, tgt) batches: data/seq2seq.py
 
@@ -64,7 +76,6 @@ def family_of(model_cfg: Any) -> Family:
 
 def check_data(model_cfg: Any, data_cfg: Any) -> None:
     """A data module the model's family cannot train on: one line naming `data` and what is allowed."""
-    from attnzoo.config.errors import ConfigError
 
     fam = family_of(model_cfg)
     if not fam.accepts(data_cfg):
@@ -73,9 +84,7 @@ def check_data(model_cfg: Any, data_cfg: Any) -> None:
 
 
 def _check_encdec_options(model_node: dict) -> None:
-    from attnzoo.models.encoder_decoder import split_config
-
-    split_config(model_node, vocab_size=model_node.get("vocab_size") or 2)  # the vocabulary is not known yet
+    split_encdec_config(model_node, vocab_size=model_node.get("vocab_size") or 2)  # the vocabulary is not known yet
 
 
 def embedding_params(model: nn.Module) -> int:
@@ -86,43 +95,35 @@ def embedding_params(model: nn.Module) -> int:
 
 # ----------------------------------------------------------------------------- the families so far
 def _lm_metrics(data_cfg: Any) -> list:
-    return ["val/loss", "val/ppl"] + ([] if getattr(data_cfg, "name", "text") == "text" else ["val/acc"])
+    """val/acc only where the data has answer positions (synthetic tasks); natural text (a data config class
+    with `natural_text = True`: data=text, data=shards) has loss and perplexity."""
+    name = getattr(data_cfg, "name", "text")
+    text = name in DATAMODULES.names() and getattr(DATAMODULES.get(name).config_cls, "natural_text", False)
+    return ["val/loss", "val/ppl"] + ([] if text else ["val/acc"])
 
 
 def _decoder_model(model_cfg, vocab_size):
-    from attnzoo.models.decoder import DecoderLM
-
     return DecoderLM(model_cfg, vocab_size=vocab_size)
 
 
 def _decoder_lit(container, model_cfg, dm):
-    from attnzoo.training.lit_lm import LitLM
-
     return LitLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
 def _encdec_model(model_cfg, vocab_size):
-    from attnzoo.models.encoder_decoder import EncoderDecoder
-
     return EncoderDecoder(model_cfg, vocab_size=vocab_size)
 
 
 def _encdec_lit(container, model_cfg, dm):
-    from attnzoo.training.lit_seq2seq import LitSeq2Seq
-
     return LitSeq2Seq(container, vocab_size=dm.vocab_size, pad_id=getattr(dm, "pad_id", 0),
                       bos_id=getattr(dm, "bos_id", 1), eos_id=getattr(dm, "eos_id", 2), model_cfg=model_cfg)
 
 
 def _encoder_model(model_cfg, vocab_size):
-    from attnzoo.models.encoder_decoder import EncoderMLM
-
     return EncoderMLM(model_cfg, vocab_size=vocab_size + 1)  # + [MASK], as LitMLM builds it
 
 
 def _encoder_lit(container, model_cfg, dm):
-    from attnzoo.training.lit_seq2seq import LitMLM
-
     return LitMLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
@@ -132,8 +133,6 @@ register_family(Family(
     metrics=_lm_metrics, decoder_only=True,
 ))
 def _linearize_lit(container, model_cfg, dm):
-    from attnzoo.training.linearize import LitLinearize
-
     return LitLinearize(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
@@ -157,16 +156,12 @@ register_family(Family(
 
 # ----------------------------------------------------------------------------- vision (attnzoo.models.vision)
 def _vision_setup(model_cfg, data_cfg=None):
-    from attnzoo.models.vision.options import split_config
-
     size = getattr(data_cfg, "image_size", None) if data_cfg is not None else None
     channels = getattr(data_cfg, "channels", None) if data_cfg is not None else None
-    return split_config(model_cfg, image_size=size, channels=channels)
+    return split_vision_config(model_cfg, image_size=size, channels=channels)
 
 
 def _image_geometry(vis, vocab_size: int) -> tuple:
-    from attnzoo.config.errors import ConfigError
-
     if vis.image_size is None or vis.channels is None:  # model_budget counts a model before the data is known
         raise ConfigError("counting a vision model's parameters needs the image size; allowed: set "
                           "model.vision.image_size and model.vision.channels", field="model.vision.image_size")
@@ -174,27 +169,19 @@ def _image_geometry(vis, vocab_size: int) -> tuple:
 
 
 def _vision_model(model_cfg, vocab_size):
-    from attnzoo.models.vision import ImageClassifier
-
     return ImageClassifier(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
 
 
 def _vision_lit(container, model_cfg, dm):
-    from attnzoo.training.lit_vision import LitImageClassifier
-
     return LitImageClassifier(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
                               model_cfg=model_cfg)
 
 
 def _vlm_model(model_cfg, vocab_size):
-    from attnzoo.models.vision import VisionLanguageModel
-
     return VisionLanguageModel(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
 
 
 def _vlm_lit(container, model_cfg, dm):
-    from attnzoo.training.lit_vision import LitVLM
-
     return LitVLM(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
                   model_cfg=model_cfg)
 
@@ -202,8 +189,6 @@ def _vlm_lit(container, model_cfg, dm):
 def _check_vlm_with_data(model_cfg, data_cfg) -> None:
     """The image geometry, and with learned positions the image prefix (concat) plus the text within
     model.max_seq_len."""
-    from attnzoo.config.errors import check
-    from attnzoo.models.vision.options import image_tokens
 
     setup = _vision_setup(model_cfg, data_cfg)
     if setup.connector.meet == "concat" and setup.model.position.name == "learned":
