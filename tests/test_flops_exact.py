@@ -113,6 +113,7 @@ RECURRENT = {
     "gla-C8": {"name": "gla", "chunk_size": 8}, "gla-C4+conv3": {"name": "gla", "chunk_size": 4, "conv_size": 3},
     "retnet": {"name": "retnet"}, "retnet-C8": {"name": "retnet", "chunk_size": 8},
     "hgrn2-C8": {"name": "hgrn2", "chunk_size": 8}, "hgrn2-C4+conv3": {"name": "hgrn2", "chunk_size": 4, "conv_size": 3},
+    "mamba2-C8": {"name": "mamba2", "chunk_size": 8, "n_groups": 2}, "mamba2": {"name": "mamba2", "d_state": 16},
 }
 
 

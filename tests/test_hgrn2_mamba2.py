@@ -160,8 +160,134 @@ def test_hgrn2_layer_matches_fla_layer_with_naive_op(lower_bound):
     torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
 
 
+# ----------------------------------------------------------------------------- mamba2
+# id: (mixer section, T); tiny model d_model 32, head_dim 8 -> 8 heads of P = 8; "strong": log-decays dt A ~ -50 per token
+MAMBA2 = {
+    "C8-T50": ({"name": "mamba2", "chunk_size": 8, "d_state": 16}, 50),
+    "C8-T40-groups2": ({"name": "mamba2", "chunk_size": 8, "d_state": 12, "n_groups": 2}, 40),
+    "C4-T23-groups8-noconv": ({"name": "mamba2", "chunk_size": 4, "d_state": 6, "n_groups": 8, "conv_size": 0}, 23),
+    "C64-T7-P16": ({"name": "mamba2", "head_dim": 16, "d_state": 8}, 7),
+    "C8-T40-strong": ({"name": "mamba2", "chunk_size": 8, "d_state": 16, "n_groups": 2}, 40),
+}
+
+
+def _mamba2(case: str):
+    mixer, T = MAMBA2[case]
+    layer = _layer(mixer)
+    if case.endswith("strong"):
+        with torch.no_grad():
+            layer.A_log.fill_(8.0)  # A ~ -3000: dt A ~ -50 per token (median), the values dt x as they were
+    return layer, T
+
+
+@pytest.mark.parametrize("case", list(MAMBA2))
+def test_mamba2_chunk_equals_recurrent_fp64_outputs_and_gradients(case):
+    layer, T = _mamba2(case)
+    if case.endswith("strong"):  # the decays really are that strong
+        with torch.no_grad():
+            dt = F.softplus(layer.dt_proj(_x(layer, T, dtype=torch.float32)) + layer.dt_bias)
+        assert (dt * layer.A_log.exp()).median() > 30
+    check_chunk_equals_recurrent(layer, T)
+
+
+@pytest.mark.parametrize("case", ["C8-T40-groups2", "C4-T23-groups8-noconv"])
+@pytest.mark.parametrize("prompt", [1, 9])
+def test_mamba2_decode_steps_equal_full_forward(case, prompt):
+    layer, T = _mamba2(case)
+    check_decode_equals_full(layer, prompt, T)
+
+
+def test_mamba2_initialisation_is_the_papers():
+    """A = exp(A_log) ~ U[1, 16], dt = softplus(dt_bias) ~ logU[0.001, 0.1] (floored at 1e-4), D = 1, none of them
+    weight-decayed; the model's GPT-2 init (Linear layers only) leaves them alone."""
+    from attnzoo.training.lit_lm import param_groups
+
+    torch.manual_seed(0)
+    m = DecoderLM(tiny_model_cfg({"name": "mamba2"}, d_model=256, n_heads=2), vocab_size=64)
+    layer = m.mixers[0]
+    assert layer.n_v_heads == 4 and layer.v_dim == 128 and layer.state_shape == (64, 128)
+    A, dt = layer.A_log.exp(), F.softplus(layer.dt_bias)
+    assert ((A >= 1) & (A <= 16)).all() and A.std() > 0
+    assert ((dt >= 1e-3 * (1 - 1e-6)) & (dt <= 0.1 * (1 + 1e-6))).all() and dt.std() > 0
+    assert torch.equal(layer.D, torch.ones(4))
+    no_decay = {id(p) for g in param_groups(m, 0.1) if g["weight_decay"] == 0 for p in g["params"]}
+    assert {id(p) for p in (layer.A_log, layer.dt_bias, layer.D)} <= no_decay
+    with torch.no_grad():  # the floor: dt sampled below it is lifted to it
+        from attnzoo.mixers.mamba2 import ssm_decay_init
+        _, dt_bias = ssm_decay_init(1000, (1, 16), (1e-6, 1e-5), 1e-4)
+    torch.testing.assert_close(F.softplus(dt_bias.double()), torch.full((1000,), 1e-4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("form", ["naive_recurrent_simple_gla", "naive_chunk_simple_gla"])
+def test_ssd_op_matches_fla_naive_simple_gla(form):
+    """Mamba-2's SSD is fla's simple GLA (one log-decay per head and token) read unscaled: q = C, k = B, v = dt x."""
+    from attnzoo.ops.gated_linear_attention import chunk_gated_linear_attention
+
+    naive = _fla_naive("simple_gla")
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, N, P = 2, 3, 45, 16, 8
+    c, b, x = (torch.randn(B, T, H, d, generator=gen, dtype=torch.float64) for d in (N, N, P))
+    dt = F.softplus(torch.randn(B, T, H, generator=gen, dtype=torch.float64) - 1)
+    g = -torch.rand(H, generator=gen, dtype=torch.float64).mul(15).add(1) * dt  # A ~ -U[1, 16]
+    v = x * dt[..., None]
+
+    def ours(c, b, v, g):
+        t = lambda u: u.transpose(1, 2)  # noqa: E731  (B, H, T, D)
+        return chunk_gated_linear_attention(t(c), t(b), t(v), t(g)[..., None], scale=1.0, chunk_size=16)
+
+    kw = dict(chunk_size=16) if "chunk" in form else {}
+    o_ref, s_ref = getattr(naive, form)(c.float(), b.float(), v.float(), g.float(), scale=1.0, output_final_state=True, **kw)
+    o, s = ours(*(u.float() for u in (c, b, v, g)))
+    o64, s64 = ours(c, b, v, g)
+    torch.testing.assert_close(o.transpose(1, 2), o_ref.float(), atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+
+
+def _transformers_mamba2(layer):
+    """transformers' Mamba2Mixer of the same sizes with our layer's weights: in_proj = [z | x | B | C | dt] (ours:
+    g_proj, qkv's [C | B | x] reordered, dt_proj), the conv over [x | B | C], out_proj = o_proj."""
+    Mamba2Config = pytest.importorskip("transformers").Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    H, P, G, N = layer.n_v_heads, layer.v_dim, layer.n_qk_heads, layer.qk_dim
+    cfg = Mamba2Config(hidden_size=layer.d_model, num_heads=H, head_dim=P, expand=H * P // layer.d_model, state_size=N,
+                       n_groups=G, conv_kernel=layer.conv.kernel_size, use_conv_bias=layer.conv.bias is not None,
+                       use_bias=False, chunk_size=layer.chunk_size, layer_norm_epsilon=layer.cfg.norm_eps,
+                       num_hidden_layers=1)
+    ref = Mamba2Mixer(cfg, 0).double().eval()
+    cc, bb, xx = layer.qkv.weight.split(layer.qkv_dims, dim=0)
+    wc, wb, wx = layer.conv.weight.split(layer.qkv_dims, dim=0)
+    with torch.no_grad():
+        ref.in_proj.weight.copy_(torch.cat([layer.g_proj.weight, xx, bb, cc, layer.dt_proj.weight]))
+        ref.conv1d.weight.copy_(torch.cat([wx, wb, wc])[:, None, :])
+        if layer.conv.bias is not None:
+            bc, bb_, bx = layer.conv.bias.split(layer.qkv_dims)
+            ref.conv1d.bias.copy_(torch.cat([bx, bb_, bc]))
+        for name in ("dt_bias", "A_log", "D"):
+            getattr(ref, name).copy_(getattr(layer, name))
+        ref.norm.weight.copy_(layer.norm.weight)
+        ref.out_proj.weight.copy_(layer.o_proj.weight)
+    return ref
+
+
+@pytest.mark.parametrize("case", ["C8-T50", "C8-T40-groups2", "C64-T7-P16"])
+def test_mamba2_layer_matches_transformers_mamba2_mixer(case):
+    """transformers' torch path (no mamba_ssm / causal_conv1d on CPU) computes its scan and norm in fp32 whatever
+    the input: ours in fp32 within FP32_FACTOR x our own fp32-vs-fp64 gap."""
+    layer, T = _mamba2(case)
+    layer = layer.double()
+    ref = _transformers_mamba2(layer)
+    x = _x(layer, T)
+    with torch.no_grad():
+        expected = ref(x)
+        out64 = layer(x, positions=torch.arange(T))
+        out = layer.float()(x.float(), positions=torch.arange(T))
+    torch.testing.assert_close(out.double(), expected.double(), atol=gap_atol(out, out64), rtol=0)
+
+
 # ----------------------------------------------------------------------------- both
-PACKED = [("hgrn2", {"chunk_size": 4}, "none"), ("hgrn2", {"chunk_size": 4, "conv_size": 3, "lower_bound": 0.5}, "none")]
+PACKED = [("hgrn2", {"chunk_size": 4}, "none"), ("hgrn2", {"chunk_size": 4, "conv_size": 3, "lower_bound": 0.5}, "none"),
+          ("mamba2", {"chunk_size": 4, "d_state": 8}, "none"), ("mamba2", {"chunk_size": 8, "n_groups": 2}, "rope")]
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
@@ -180,6 +306,22 @@ def test_hgrn2_cache_holds_the_state_and_conv_tail():
     assert layer.layer_shape()["state_shape"] == [4, 6]
     channels = 4 * (4 + 4 + 6)
     assert layer.cache_bytes(100, batch=2) == 2 * 4 * (4 * 4 * 6 + channels * 2)
+    cache = m.new_cache(2, 10)
+    with torch.no_grad():
+        m(torch.randint(0, 64, (2, 10)), cache=cache)
+    assert cache.nbytes() == m.cache_bytes(10, batch=2)
+
+
+def test_mamba2_cache_holds_the_state_and_conv_tail():
+    """n_heads * d_state * head_dim state values (fp32) + the conv tail over [C | B | x] (2 n_groups d_state +
+    d_inner channels, K - 1 = 3 each)."""
+    torch.manual_seed(0)
+    m = DecoderLM(tiny_model_cfg({"name": "mamba2", "d_state": 6, "n_groups": 2}), vocab_size=64)
+    layer = m.mixers[0]
+    H, P = 8, 8  # d_inner = 2 * 32 = 64 = 8 heads of the model's head size 8
+    assert layer.layer_shape()["state_shape"] == [6, 8] and layer.n_v_heads == H
+    channels = 2 * 2 * 6 + H * P
+    assert layer.cache_bytes(100, batch=2) == 2 * 4 * (H * 6 * P + channels * 3)
     cache = m.new_cache(2, 10)
     with torch.no_grad():
         m(torch.randint(0, 64, (2, 10)), cache=cache)
