@@ -308,3 +308,17 @@ def test_trains_on_what_attnzoo_data_prepare_wrote(tmp_path):
     metrics = train(compose_cfg(base(out) + ["trainer.max_steps=2", "trainer.val_check_interval=2"], run))
     summary = json.loads((run / "summary.json").read_text())
     assert metrics["val/loss"] > 0 and summary["model"]["vocab_size"] == summary["data"]["manifest"]["tokenizer"]["vocab_size"]
+
+
+def test_lm_125m_recipe_runs_in_its_smoke_form_on_cpu(corpus, tmp_path):
+    """experiment=lm_125m (the GPU recipe: docs/data.md) in its debug=smoke form on CPU: the recipe composes with
+    data=shards, trains (bf16 autocast and 4-step accumulation as on GPUs) and validates."""
+    out = tmp_path / "run"
+    cfg = compose_cfg(["experiment=lm_125m", "debug=smoke", "trainer=cpu", "compile=false", f"data.path={corpus}",
+                       "data.num_workers=1", "sample.max_new_tokens=4", "perf.measure_decode=false"], out)
+    assert cfg.data.name == "shards" and cfg.trainer.max_tokens == 2_500_000_000 and cfg.optim.lr == 6e-4
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accumulate_grad_batches == 4
+    train(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["global_step"] == cfg.trainer.max_steps
+    assert summary["data"]["manifest"]["tokenizer"]["vocab_size"] == summary["model"]["vocab_size"]

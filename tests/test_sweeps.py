@@ -3,12 +3,13 @@
 recorded and the others finish; wandb offline gives one run per job, grouped by sweep; matched budgets."""
 import csv
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from attnzoo.training.budget import apply_budget, count_params, match_budget
 from attnzoo.config.schema import ConfigError
@@ -18,16 +19,32 @@ from attnzoo.analysis.report import build_report
 from attnzoo.cli.sweep import available
 from attnzoo.cli.sweep import main as sweep_main
 from tests.conftest import SESSION_CACHE, SMALL_TEXT
+from tests.shards_fixture import text_corpus
 
 SWEEPS = available()
 
 
+_PREPARED: list = []
+
+
+def prepared_corpus() -> str:
+    """A tiny prepared corpus (attnzoo-data prepare's layout) for the sweeps on data=shards; one per process."""
+    if not _PREPARED:
+        _PREPARED.append(str(text_corpus(Path(tempfile.mkdtemp(prefix="attnzoo-shards-")) / "out")))
+    return _PREPARED[0]
+
+
 def compose_sweep(name: str, overrides=()):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=[f"hydra.searchpath=[file://{sweeps_dir().parent}]", f"+sweeps={name}",
-                                           f"paths.cache_dir={SESSION_CACHE}", "paths.output_dir=/tmp/unused", *overrides],
-                       return_hydra_config=True)
+    def composed(extra):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=[f"hydra.searchpath=[file://{sweeps_dir().parent}]", f"+sweeps={name}",
+                                               f"paths.cache_dir={SESSION_CACHE}", "paths.output_dir=/tmp/unused",
+                                               *extra, *overrides], return_hydra_config=True)
+
+    cfg = composed([])
+    # a sweep on a prepared corpus (data=shards) names its data.path on the command line: the tests give a tiny one
+    return composed([f"data.path={prepared_corpus()}"]) if cfg.data.name == "shards" else cfg
 
 
 def grid(cfg) -> dict[str, list[str]]:
@@ -395,3 +412,22 @@ def test_budget_match_or_params_refused_in_one_line(budget, field):
     with pytest.raises(ConfigError) as e:
         apply_budget({"model": tiny(), "model_budget": budget}, 256)
     assert e.value.field == field and "\n" not in str(e.value)
+
+
+def test_lm_125m_sweep_holds_every_variant_at_the_gqa_count():
+    """sweeps/lm_125m: model_budget.match gives every mixer the gqa model's non-embedding parameters, at the
+    recipe's full size and in its debug=smoke form (counted on the meta device: nothing is allocated)."""
+    for extra in ([], ["debug=smoke"]):
+        g = grid(compose_sweep("lm_125m", extra))
+        counts = {}
+        for pattern in g["model.pattern"]:
+            cfg = compose_sweep("lm_125m", [*extra, f"model.pattern={pattern}"])
+            container = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+                         "model_budget": OmegaConf.to_container(cfg.model_budget, resolve=True)}
+            info = apply_budget(container, 50304)
+            counts[pattern] = count_params(container["model"], 50304)
+            assert info["budget/rel_error"] <= 0.02, (extra, pattern, info)
+        reference = counts["[gqa]"]
+        assert all(abs(c - reference) <= 0.02 * reference for c in counts.values()), counts
+        if not extra:
+            assert 80e6 < reference < 90e6  # 124M with GPT-2's 50k-token embedding tied
