@@ -161,7 +161,7 @@ def test_hgrn2_layer_matches_fla_layer_with_naive_op(lower_bound):
 
 
 # ----------------------------------------------------------------------------- mamba2
-# id: (mixer section, T); tiny model d_model 32, head_dim 8 -> 8 heads of P = 8; "strong": log-decays dt A ~ -50 per token
+# id: (mixer section, T); tiny model d_model 32, head_dim 8 -> 8 heads of P = 8; "strong": dt A ~ -50 per token
 MAMBA2 = {
     "C8-T50": ({"name": "mamba2", "chunk_size": 8, "d_state": 16}, 50),
     "C8-T40-groups2": ({"name": "mamba2", "chunk_size": 8, "d_state": 12, "n_groups": 2}, 40),
@@ -236,7 +236,8 @@ def test_ssd_op_matches_fla_naive_simple_gla(form):
         return chunk_gated_linear_attention(t(c), t(b), t(v), t(g)[..., None], scale=1.0, chunk_size=16)
 
     kw = dict(chunk_size=16) if "chunk" in form else {}
-    o_ref, s_ref = getattr(naive, form)(c.float(), b.float(), v.float(), g.float(), scale=1.0, output_final_state=True, **kw)
+    o_ref, s_ref = getattr(naive, form)(c.float(), b.float(), v.float(), g.float(), scale=1.0,
+                                        output_final_state=True, **kw)
     o, s = ours(*(u.float() for u in (c, b, v, g)))
     o64, s64 = ours(c, b, v, g)
     torch.testing.assert_close(o.transpose(1, 2), o_ref.float(), atol=gap_atol(o, o64), rtol=0)
@@ -286,7 +287,8 @@ def test_mamba2_layer_matches_transformers_mamba2_mixer(case):
 
 
 # ----------------------------------------------------------------------------- both
-PACKED = [("hgrn2", {"chunk_size": 4}, "none"), ("hgrn2", {"chunk_size": 4, "conv_size": 3, "lower_bound": 0.5}, "none"),
+PACKED = [("hgrn2", {"chunk_size": 4}, "none"),
+          ("hgrn2", {"chunk_size": 4, "conv_size": 3, "lower_bound": 0.5}, "none"),
           ("mamba2", {"chunk_size": 4, "d_state": 8}, "none"), ("mamba2", {"chunk_size": 8, "n_groups": 2}, "rope")]
 
 

@@ -6,9 +6,9 @@ Hardware-Efficient Training", arXiv:2312.06635), as fla's `GatedLinearAttention`
 
 a data-dependent forget gate per key channel through a low-rank projection (d_model -> 16 -> H d_k), then a
 per-head RMSNorm on the output gated by SiLU(W_g x) and the output projection. `GatedLinearMixer` holds what GLA,
-RetNet (mixers/retnet.py), HGRN2 (mixers/hgrn2.py) and Mamba-2 (mixers/mamba2.py) share: the forms of the one op they reduce to
-(ops/gated_linear_attention.py) on a per-step log-decay the subclass computes (`log_decay`, or its own `mix` through
-`gated`), the layer's sizes from its config (`layout`). `impl="reference"` runs the per-token recurrence.
+RetNet (mixers/retnet.py), HGRN2 (mixers/hgrn2.py) and Mamba-2 (mixers/mamba2.py) share: the forms of the one op
+they reduce to (ops/gated_linear_attention.py) on a per-step log-decay the subclass computes (`log_decay`, or its own
+`mix` through `gated`), the layer's sizes from its config (`layout`). `impl="reference"` runs the per-token recurrence.
 """
 from __future__ import annotations
 

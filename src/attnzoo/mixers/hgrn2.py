@@ -34,7 +34,7 @@ from attnzoo.mixers.recurrent_base import GatedRMSNorm
 class HGRN2Config:
     name: str = "hgrn2"
     n_heads: Optional[int] = None  # null: model.n_heads
-    head_dim: Optional[int] = None  # d_k, the forget gate's channels per head (fla's expand_ratio; null: model head_dim)
+    head_dim: Optional[int] = None  # d_k: forget-gate channels per head (fla's expand_ratio; null: model head_dim)
     v_head_dim: Optional[int] = None  # d_v (null: head_dim; fla's layer: d_model / n_heads)
     lower_bound: float = 0.0  # f = lb + (1 - lb) sigmoid(.), in [0, 1); 0 = off (fla's first layer)
     # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks

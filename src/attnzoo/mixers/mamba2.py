@@ -7,8 +7,8 @@ State Space Duality", arXiv:2405.21060), as mamba_ssm's `Mamba2` and transformer
     out = o_proj(RMSNorm_groups(y * SiLU(z)))                               (the gated norm: gate first, per group)
 
 the state-space duality (SSD) is gated linear attention with one data-dependent log-decay per head, g = dt A, read
-unscaled: q = C, k = B (each of the n_groups shared by n_heads / n_groups heads), v = dt x (ops/gated_linear_attention.py;
-mixers/gla.py's forms). Head h's state holds d_state x head_dim values; n_heads = expand d_model / head_dim.
+unscaled: q = C, k = B (each of the n_groups shared by n_heads / n_groups heads), v = dt x
+(ops/gated_linear_attention.py; mixers/gla.py's forms). Head h's state holds d_state x head_dim values; n_heads = expand d_model / head_dim.
 
 Weights: the fused projection `qkv` is xBC's slice of in_proj laid out [C | B | x] (the [q | k | v] order of the
 recurrent mixers), `g_proj` its z slice, `dt_proj` its dt slice, the conv is over the same [C | B | x] channels;
