@@ -146,3 +146,17 @@ def test_bad_bench_flags_are_one_line(tmp_path, capsys):
         cli.main(["--out", str(tmp_path), "cache", "--quick", "--n-heads", "3"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.count("\n") == 0 and err.startswith("attnzoo-bench cache: error:")
+
+
+def test_data_prepare_train_and_loader(tmp_path):
+    """`attnzoo-bench data --quick`: a corpus written, prepared with the tokenizer trained once, a default-model
+    run on its shards and the loader alone; every figure measured (positive), the prepared folder's manifest
+    agrees with the row, and the loader outruns training."""
+    res = run_bench(tmp_path, "data", "--quick", "--work", str(tmp_path / "work"))
+    (row,) = res["rows"]
+    measured = ["tokens", "prepare tokens/s", "tokenizing tokens/s", "prepare peak PSS MB", "train peak RSS MB",
+                "train peak PSS MB", "train tokens/s", "loader tokens/s"]
+    assert all(positive(row[k]) for k in measured), row
+    manifest = json.loads((tmp_path / "work" / "shards_0.3mb" / "manifest.json").read_text())
+    assert row["tokens"] == sum(s["tokens"] for s in manifest["splits"].values()) and row["dtype"] == "uint16"
+    assert row["loader / train"] > 1 and res["load"]["before"] and res["load"]["after"]
