@@ -183,24 +183,32 @@ def test_sigkill_then_resume_cli_equals_uninterrupted(corpus, tmp_path):
         assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
 
 
-def test_ddp_two_ranks_two_workers_resume_equals_uninterrupted(small_corpus, tmp_path):
-    """2 DDP processes (trainer=ddp_cpu) x 2 loader workers on shards: the run trains on both ranks, logs
-    train/tokens_seen for both, and a run stopped at step 4 and resumed to 16 (crossing an epoch: ~6 steps each
-    on two ranks) equals the uninterrupted one row for row."""
+def test_ddp_two_ranks_two_workers_sigkill_then_resume_equals_uninterrupted(small_corpus, tmp_path):
+    """2 DDP processes (trainer=ddp_cpu) x 2 loader workers on shards: the run trains on both ranks and logs
+    train/tokens_seen for both; SIGKILL of the launcher mid-run (its ranks die with it), then a resume from the
+    last checkpoint: every train/loss row from there on equals the uninterrupted run's, across an epoch boundary
+    (~6 steps an epoch on two ranks)."""
     common = base(small_corpus) + ["trainer=ddp_cpu", "trainer.val_check_interval=100",
-                                   "callbacks.checkpoint_every_n_steps=4"]
-    ref, split = tmp_path / "ref", tmp_path / "split"
-    train(compose_cfg(common + ["trainer.max_steps=16"], ref))
+                                   "callbacks.checkpoint_every_n_steps=4", "trainer.max_steps=60"]
+    ref = tmp_path / "ref"
+    train(compose_cfg(common, ref))
     summary = json.loads((ref / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_step"] == 16
+    assert summary["world_size"] == 2 and summary["global_step"] == 60
     seen = [float(r["train/tokens_seen"]) for r in rows(ref) if r.get("train/tokens_seen")]
-    assert seen == [float(2 * B * T * s) for s in range(1, 17)]
-    train(compose_cfg(common + ["trainer.max_steps=4"], split))
-    train(compose_cfg(common + ["trainer.max_steps=16", "ckpt_path=last"], split))
-    la, lb = losses(ref), losses(split)
-    assert sorted(la) == sorted(lb) == list(range(16))
-    for s in la:
-        assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
+    assert seen == [float(2 * B * T * s) for s in range(1, 61)]
+    run = tmp_path / "killed"
+    p = cli(common + [f"hydra.run.dir={run}"])
+    wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 8 <= saved < 60
+    train(compose_cfg(common + ["ckpt_path=last"], run))
+    a, b = losses(ref), losses(run)
+    after = [s for s in a if s >= saved]
+    assert after and all(s in b for s in after)
+    for s in after:
+        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
 
 
 def test_token_budget_tokens_seen_and_the_manifest_in_the_summary(corpus, tmp_path):
