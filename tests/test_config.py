@@ -12,6 +12,7 @@ from attnzoo.training.config_checks import validate
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.config.paths import CONF_DIR
 from tests.conftest import compose_cfg, tiny_model_cfg
+from tests.shards_fixture import text_corpus
 
 
 def group_options(group: str) -> list[str]:
@@ -39,6 +40,8 @@ def test_every_option_composes_validates_and_builds(group, option, tmp_path):
         extra = ["data=digits"]
     elif (group, option) == ("model", "vlm"):
         extra = ["data=shapes"]
+    elif (group, option) in (("data", "shards"), ("experiment", "lm_125m")):  # a prepared corpus (docs/data.md)
+        extra = [f"data.path={text_corpus(tmp_path / 'shards', n_files=8, vocab_size=300)}"]
     cfg = compose_cfg([f"{group}={option}", *extra, "debug=smoke"] if group != "debug" else [f"debug={option}"], tmp_path)
     if (group, option) == ("experiment", "linearize"):  # needs model.init_from (tests/test_linearize.py runs it)
         with pytest.raises(ConfigError, match="^model.init_from: experiment=linearize needs"):
