@@ -56,7 +56,11 @@ EXTRA = [
     ("`attnzoo-data info DIR` (not a prepared folder)", "OUT: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
     ("`attnzoo-data info OUT` (or prepare) on a manifest from a newer attnzoo", "OUT: <out>/manifest.json is version 99 (attnzoo 9.0); this attnzoo reads version <= 1; allowed: a newer attnzoo, or prepare it again"),
     # data=shards (tests/test_shards.py): refused before any work
-    ("`data=shards` without `data.path`", "data.path: is required with data=shards; allowed: a folder written by `attnzoo-data prepare SRC OUT`"),
+    ("`data=shards` without `data.path`", "data.path: is required with data=shards; allowed: a folder written by `attnzoo-data prepare SRC OUT` (or data.source=SRC, prepared on first use)"),
+    ("`data=shards data.source=SRC data.path=OUT` (both)", "data.source: 'SRC' given with data.path='OUT'; allowed: one of them (a prepared folder, or a source prepared on first use)"),
+    ("`data=shards data.source=SRC +data.prepare.vocab_sise=300`", "data.prepare: unknown option 'vocab_sise'; allowed: chunk_bytes, eos_token, num_workers, sample_bytes, sample_docs, seed, split, text_field, tokenizer, tokenizer_file, tokenizer_model, txt_docs, unit_bytes, val_fraction, vocab_size"),
+    ("`data=shards data.source=SRC +data.prepare.vocab_size=100`", "data.prepare.vocab_size: got 100; allowed: >= 260 (256 bytes + specials)"),
+    ("`data=shards data.source=DIR` (missing)", "data.source: <dir> does not exist; allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet, a datasets save_to_disk folder, or hf:NAME"),
     ("`data=shards data.path=DIR` (not a prepared folder)", "data.path: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
     ("`data=shards data.path=OUT`, OUT's prepare did not finish", "data.path: <out>/manifest.json is not complete; allowed: run attnzoo-data prepare again to finish it"),
     ("`data=shards data.path=OUT`, a manifest from a newer attnzoo", "data.path: <out>/manifest.json is version 2 (attnzoo 9.0); this attnzoo reads version <= 1; allowed: a newer attnzoo, or prepare it again"),

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +331,52 @@ def test_lm_125m_recipe_runs_in_its_smoke_form_on_cpu(corpus, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["global_step"] == cfg.trainer.max_steps
     assert summary["data"]["manifest"]["tokenizer"]["vocab_size"] == summary["model"]["vocab_size"]
+
+
+def _source(tmp_path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, f in enumerate(stdlib_files()[:12]):
+        (src / f"doc{i}.txt").write_text(f.read_text(errors="replace")[:3000].replace("\n\n", "\n"))
+    return src
+
+
+def test_data_source_is_prepared_once_per_source_and_options(tmp_path, capsys):
+    """data.source=SRC (no data.path): prepared on first use into paths.cache_dir/shards/<key>; a second run (a
+    sweep's next job) with the same source and options reuses it untouched; other options (a vocabulary sweep)
+    prepare their own folder once."""
+    src, cache = _source(tmp_path), tmp_path / "cache"
+    common = ["data=shards", f"data.source={src}", "+data.prepare.vocab_size=300", "+data.prepare.val_fraction=0.2",
+              "+data.prepare.txt_docs=file", "data.seq_len=32", "data.batch_size=4", "data.num_workers=0",
+              "model.d_model=32", "model.n_layers=1", "trainer.max_steps=2", "trainer.val_check_interval=2",
+              "trainer.limit_val_batches=1", "sample.max_new_tokens=0", "perf.measure_decode=false"]
+    def run(overrides, out):
+        cfg = compose_cfg(overrides, out)
+        cfg.paths.cache_dir = str(cache)  # this test's own cache (compose_cfg sets the session's)
+        train(cfg)
+
+    run(common, tmp_path / "a")
+    (prepared,) = [d for d in (cache / "shards").iterdir() if d.is_dir()]
+    assert "preparing it once" in capsys.readouterr().out
+    stamp = (prepared / "manifest.json").stat().st_mtime_ns
+    run(common + ["seed=2"], tmp_path / "b")
+    assert "preparing it once" not in capsys.readouterr().out
+    assert (prepared / "manifest.json").stat().st_mtime_ns == stamp
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["data"]["path"] == str(prepared.resolve()) and summary["data"]["manifest"]["tokenizer"]["vocab_size"] == 300
+    run([c.replace("vocab_size=300", "vocab_size=320") for c in common], tmp_path / "c")
+    assert len([d for d in (cache / "shards").iterdir() if d.is_dir()]) == 2
+
+
+@pytest.mark.parametrize("extra,field,match", [
+    (["data.source=SRC", "data.path=OUT"], "data.source", "one of them"),
+    (["data.source=SRC", "+data.prepare.vocab_sise=300"], "data.prepare", "unknown option 'vocab_sise'"),
+    (["data.source=SRC", "+data.prepare.vocab_size=100"], "data.prepare.vocab_size", ">= 260"),
+    (["data.source=MISSING"], "data.source", "does not exist"),
+    (["data.path=OUT", "+data.prepare.vocab_size=300"], "data.prepare", "without data.source"),
+], ids=["both", "unknown-option", "bad-option", "missing-source", "options-without-source"])
+def test_data_source_refusals_are_one_line_before_any_work(corpus, tmp_path, extra, field, match):
+    src = _source(tmp_path)
+    extra = [e.replace("=SRC", f"={src}").replace("=OUT", f"={corpus}").replace("=MISSING", f"={tmp_path / 'nope'}")
+             for e in extra]
+    _refused(["data=shards", *extra], tmp_path, field, match)

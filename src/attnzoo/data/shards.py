@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass
+import hashlib
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Optional
 from unittest import mock
@@ -27,11 +28,14 @@ import lightning as L
 import numpy as np
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+from filelock import FileLock
 from litdata.utilities.env import _DistributedEnv
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
+from attnzoo.data.prepare import PrepareOptions, prepare, resolve_source
 from attnzoo.data.prepare import read_manifest as read_prepared_manifest
+from attnzoo.data.prepare_tokens import tokenizer_source
 from attnzoo.data.sampling import ResumableDataLoader, _rank_world
 from attnzoo.data.tokenizer import FileTokenizer
 
@@ -56,12 +60,23 @@ class ShardsDataConfig:
     # the embedding rows: null = the prepared tokenizer's vocabulary (the manifest's); more for a model whose
     # embedding is larger than its tokenizer (model.init_from), never fewer
     vocab_size: Optional[int] = None
+    # instead of path: a source `attnzoo-data prepare` reads, prepared on first use into paths.cache_dir/shards/<key>
+    # (key: the source's fingerprint + the prepare options), once for every job of a sweep and every rank
+    source: Optional[str] = None
+    prepare: dict = field(default_factory=dict)  # with source: attnzoo-data prepare's options, e.g. {vocab_size: 8192}
 
     def validate(self, model, field: str) -> None:
         check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
         check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.path is not None, f"{field}.path", f"is required with data=shards; allowed: a folder written by "
-              f"`{PREPARE}`")
+        check(self.path is None or self.source is None, f"{field}.source", f"{self.source!r} given with "
+              f"{field}.path={self.path!r}; allowed: one of them (a prepared folder, or a source prepared on first use)")
+        check(self.path is not None or self.source is not None, f"{field}.path", f"is required with data=shards; "
+              f"allowed: a folder written by `{PREPARE}` (or {field}.source=SRC, prepared on first use)")
+        if self.source is not None:  # the source and the options checked now; the manifest once it is prepared
+            prepare_options(self.source, self.prepare, field)
+            return
+        check(not self.prepare, f"{field}.prepare", f"{self.prepare} without {field}.source; allowed: options of "
+              f"the prepare of {field}.source")
         manifest = read_manifest(self.path, f"{field}.path")
         vocab = int(manifest["tokenizer"]["vocab_size"])
         if self.vocab_size is not None:
@@ -76,6 +91,51 @@ class ShardsDataConfig:
             check(self.seq_len <= longest, f"{field}.seq_len", f"{self.seq_len} is longer than every document of "
                   f"{self.path} (the longest: {longest} tokens): with data.packing=true no token would see more "
                   f"than {longest} tokens of context; allowed: <= {longest}, or data.packing=false")
+
+
+def _relabel(e: ConfigError, field: str) -> ConfigError:
+    """prepare's refusal (fields SRC, --vocab-size, prepare) as this config's (data.source, data.prepare.vocab_size)."""
+    where = {"SRC": f"{field}.source", "prepare": f"{field}.prepare"}.get(e.field or "")
+    if where is None:
+        where = f"{field}.prepare." + (e.field or "").removeprefix("--").replace("-", "_")
+    return ConfigError(str(e).removeprefix(f"{e.field}: "), field=where)
+
+
+def prepare_options(source: str, options: dict, field: str = "data") -> tuple[PrepareOptions, dict, dict]:
+    """(the options, the source record, the tokenizer identity) of data.source + data.prepare, checked: one line
+    naming data.source / data.prepare.<option>. progress is the command's; the rest shapes the prepared folder."""
+    names = {f.name for f in PrepareOptions.__dataclass_fields__.values()} - {"progress"}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; allowed: {', '.join(sorted(names))}",
+                          field=f"{field}.prepare")
+    try:
+        o = PrepareOptions(**options)
+        o.validate()
+        return o, resolve_source(str(source), o)[0], tokenizer_source(o)[1]
+    except ConfigError as e:
+        raise _relabel(e, field) from None
+
+
+def prepared_source(source: str, options: dict, cache_dir: str) -> Path:
+    """The prepared folder of data.source with data.prepare's options: paths.cache_dir/shards/<key>, the key a hash of
+    the source's fingerprint, the tokenizer's identity and every option that shapes the folder. Prepared on first
+    use under a file lock: the jobs of a sweep and the ranks of a run that ask at once wait for one prepare, and
+    later ones find it finished (prepare does nothing then)."""
+    o, record, tok = prepare_options(source, options)
+    shaping = {k: v for k, v in asdict(o).items() if k != "progress"}
+    key = hashlib.sha256(json.dumps({"fingerprint": record["fingerprint"], "tokenizer": tok, "options": shaping},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+    out = Path(cache_dir).expanduser() / "shards" / key
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "manifest.json").is_file():
+            print(f"attnzoo: data.source={source}: preparing it once into {out} (attnzoo-data prepare)", flush=True)
+        try:
+            prepare(source, out, **{**options, "progress": False})
+        except ConfigError as e:
+            raise _relabel(e, "data") from None
+    return out
 
 
 def read_manifest(path: str, field: str = "data.path") -> dict:
@@ -181,11 +241,12 @@ class ShardsDataModule(L.LightningDataModule):
         if self.tokenizer is not None:
             return
         cfg = self.cfg
-        if cfg.path is None:
+        if cfg.path is None and cfg.source is None:
             raise ConfigError(f"is required with data=shards; allowed: a folder written by `{PREPARE}`",
                               field="data.path")
-        self.manifest = read_manifest(cfg.path)
-        self.root = Path(cfg.path).expanduser().resolve()
+        path = str(cfg.path) if cfg.path is not None else str(prepared_source(cfg.source, cfg.prepare, self.cache_dir))
+        self.manifest = read_manifest(path)
+        self.root = Path(path).expanduser().resolve()
         self.tokenizer = FileTokenizer.from_file(self.root / "tokenizer.json")
         self.eos_id = int(self.manifest["tokenizer"]["eos_id"])
         block = cfg.seq_len + 1
@@ -193,7 +254,7 @@ class ShardsDataModule(L.LightningDataModule):
         if blocks["train"] < cfg.batch_size or blocks["val"] < 1:
             split = "train" if blocks["train"] < cfg.batch_size else "val"
             tokens = self.manifest["splits"][split]["tokens"]
-            raise ConfigError(f"{cfg.path}'s {split} split ({tokens:,} tokens) holds {blocks[split]} blocks of "
+            raise ConfigError(f"{path}'s {split} split ({tokens:,} tokens) holds {blocks[split]} blocks of "
                               f"seq_len + 1 = {block} tokens, fewer than {'one batch' if split == 'train' else 'one'}; "
                               f"allowed: a smaller data.seq_len / data.batch_size, or a larger corpus",
                               field="data.seq_len")
