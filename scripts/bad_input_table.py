@@ -60,6 +60,7 @@ EXTRA = [
     ("`data=shards data.source=SRC data.path=OUT` (both)", "data.source: 'SRC' given with data.path='OUT'; allowed: one of them (a prepared folder, or a source prepared on first use)"),
     ("`data=shards data.source=SRC +data.prepare.vocab_sise=300`", "data.prepare: unknown option 'vocab_sise'; allowed: chunk_bytes, eos_token, num_workers, sample_bytes, sample_docs, seed, split, text_field, tokenizer, tokenizer_file, tokenizer_model, txt_docs, unit_bytes, val_fraction, vocab_size"),
     ("`data=shards data.source=SRC +data.prepare.vocab_size=100`", "data.prepare.vocab_size: got 100; allowed: >= 260 (256 bytes + specials)"),
+    ("`model.init_from=DIR data=shards data.path=OUT`, OUT prepared with another tokenizer", "data.path: <out> was prepared with another tokenizer than <dir>/tokenizer.json, so its ids are not the model's; allowed: a corpus prepared with `attnzoo-data prepare SRC OUT --tokenizer-model <dir>`"),
     ("`data=shards data.source=DIR` (missing)", "data.source: <dir> does not exist; allowed: a folder or file of .txt/.jsonl/.jsonl.zst/.parquet, a datasets save_to_disk folder, or hf:NAME"),
     ("`data=shards data.path=DIR` (not a prepared folder)", "data.path: <dir> has no manifest.json: not a prepared folder; allowed: a folder written by attnzoo-data prepare"),
     ("`data=shards data.path=OUT`, OUT's prepare did not finish", "data.path: <out>/manifest.json is not complete; allowed: run attnzoo-data prepare again to finish it"),

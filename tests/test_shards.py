@@ -380,3 +380,36 @@ def test_data_source_refusals_are_one_line_before_any_work(corpus, tmp_path, ext
     extra = [e.replace("=SRC", f"={src}").replace("=OUT", f"={corpus}").replace("=MISSING", f"={tmp_path / 'nope'}")
              for e in extra]
     _refused(["data=shards", *extra], tmp_path, field, match)
+
+
+def test_export_of_a_shards_run_carries_the_prepared_tokenizer(corpus, tmp_path):
+    """attnzoo-export on a data=shards run writes OUT/tokenizer.json's tokenizer beside the weights (as for a
+    data=text run), so transformers encodes text exactly as the run did."""
+    from tokenizers import Tokenizer
+
+    from attnzoo.cli import export
+
+    run = tmp_path / "run"
+    train(compose_cfg(base(corpus) + ["trainer.max_steps=2", "trainer.val_check_interval=2"], run))
+    export.main([str(run), str(tmp_path / "export")])
+    ours = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    theirs = Tokenizer.from_file(str(tmp_path / "export" / "tokenizer.json"))
+    text = "def main():\n    return 1"
+    assert theirs.encode(text).ids == ours.encode(text).ids
+
+
+def test_init_from_on_shards_needs_the_models_tokenizer(corpus, tmp_path):
+    """model.init_from=DIR with data=shards: a corpus prepared with DIR's tokenizer trains (the embedding rows are
+    the model's); one prepared with another tokenizer is refused in one line naming data.path."""
+    from attnzoo.cli import export
+
+    trained, model_dir = tmp_path / "trained", tmp_path / "model"
+    train(compose_cfg(base(corpus) + ["trainer.max_steps=2", "trainer.val_check_interval=2"], trained))
+    export.main([str(trained), str(model_dir)])  # a transformers directory with this corpus's tokenizer
+    common = ["data=shards", "data.seq_len=32", "data.batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
+              "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "sample.max_new_tokens=0",
+              "perf.measure_decode=false", f"model.init_from={model_dir}"]
+    train(compose_cfg(common + [f"data.path={corpus}"], tmp_path / "ok"))
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["status"] == "ok"
+    other = text_corpus(tmp_path / "other", n_files=10, vocab_size=320)
+    _refused(common + [f"data.path={other}"], tmp_path, "data.path", "prepared with another tokenizer")

@@ -36,7 +36,7 @@ def load_run_model(run: str | Path, best: bool = False):
         raise _no("model.name", f"{cfg['model'].get('name')} ({fam.name} family; exported: decoder-only LMs)")
     tokenizer, vocab = None, hp.get("vocab_size")
     data_cfg = tagged(DATAMODULES, cfg.get("data"), "data", default_name="text")
-    if data_cfg.name == "text":  # the run's tokenizer (cached; rebuilt from the corpus otherwise)
+    if getattr(DATAMODULES.get(data_cfg.name).config_cls, "natural_text", False):  # text / shards: its tokenizer
         dm = build_datamodule(data_cfg, cache_dir=(cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo",
                               seed=cfg.get("seed", 0))
         dm.setup("validate")

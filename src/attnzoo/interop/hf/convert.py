@@ -173,6 +173,11 @@ def _use_model_tokenizer(cfg, path: Path, vocab_size: int, given: list) -> None:
     embedding), unless the command line chose data.tokenizer. A file tokenizers cannot read is refused."""
     from omegaconf import OmegaConf
 
+    if OmegaConf.select(cfg, "data.name") == "shards":  # a prepared corpus: its ids must be the model's
+        _check_prepared_tokenizer(OmegaConf.select(cfg, "data.path"), path)
+        if OmegaConf.select(cfg, "data.vocab_size") is None:
+            cfg.data.vocab_size = vocab_size  # the embedding rows: the imported model's
+        return
     if OmegaConf.select(cfg, "data.name") != "text" or not (path / "tokenizer.json").is_file():
         return
     if any(str(o).lstrip("+~").split("=", 1)[0] in ("data.tokenizer", "data.tokenizer_file") for o in given):
@@ -184,6 +189,20 @@ def _use_model_tokenizer(cfg, path: Path, vocab_size: int, given: list) -> None:
     except ConfigError as e:
         raise ConfigError(f"{path}/tokenizer.json cannot encode the text: {e}", field=FIELD) from None
     cfg.data.tokenizer, cfg.data.tokenizer_file, cfg.data.vocab_size = "file", str(path / "tokenizer.json"), vocab_size
+
+
+def _check_prepared_tokenizer(prepared: Optional[str], path: Path) -> None:
+    """data=shards with model.init_from: the corpus must have been prepared with the model's own tokenizer
+    (`attnzoo-data prepare SRC OUT --tokenizer-model DIR`), else its ids index other embedding rows."""
+    from tokenizers import Tokenizer
+
+    ours = Path(str(prepared)).expanduser() / "tokenizer.json" if prepared else None
+    if ours is None or not ours.is_file() or not (path / "tokenizer.json").is_file():
+        return
+    if Tokenizer.from_file(str(ours)).to_str() != Tokenizer.from_file(str(path / "tokenizer.json")).to_str():
+        raise ConfigError(f"{prepared} was prepared with another tokenizer than {path}/tokenizer.json, so its ids "
+                          f"are not the model's; allowed: a corpus prepared with `attnzoo-data prepare SRC OUT "
+                          f"--tokenizer-model {path}`", field="data.path")
 
 
 def _agrees(section: dict, derived: dict, ignore: tuple = ()) -> bool:
