@@ -209,9 +209,10 @@ def test_packed_documents_over_several_chunks_equal_each_alone(name, extra, pos,
     packed_equals_alone(name, extra, pos, impl, strategy)
 
 
-@pytest.mark.parametrize("name", ["gla", "retnet"])
+@pytest.mark.parametrize("name", ["gla", "retnet", "hgrn2"])
 def test_cache_holds_the_state_and_conv_tail(name):
-    """n_heads * d_k * d_v state values (fp32) + the conv tail; d_v taken from v_head_dim."""
+    """n_heads * d_k * d_v state values (fp32) + the conv tail (hgrn2: over [q | f | i]); d_v taken from
+    v_head_dim. (The shared op's mixers: hgrn2 is tested with them here.)"""
     torch.manual_seed(0)
     m = DecoderLM(tiny_model_cfg({"name": name, "head_dim": 4, "v_head_dim": 6, "conv_size": 3}), vocab_size=64)
     layer = m.mixers[0]

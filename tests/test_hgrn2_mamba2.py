@@ -300,20 +300,6 @@ def test_packed_documents_over_several_chunks_equal_each_alone(name, extra, pos,
     packed_equals_alone(name, extra, pos, impl, strategy)
 
 
-def test_hgrn2_cache_holds_the_state_and_conv_tail():
-    """n_heads * d_k * d_v state values (fp32) + the conv tail over [q | f | i]; d_v taken from v_head_dim."""
-    torch.manual_seed(0)
-    m = DecoderLM(tiny_model_cfg({"name": "hgrn2", "head_dim": 4, "v_head_dim": 6, "conv_size": 3}), vocab_size=64)
-    layer = m.mixers[0]
-    assert layer.layer_shape()["state_shape"] == [4, 6]
-    channels = 4 * (4 + 4 + 6)
-    assert layer.cache_bytes(100, batch=2) == 2 * 4 * (4 * 4 * 6 + channels * 2)
-    cache = m.new_cache(2, 10)
-    with torch.no_grad():
-        m(torch.randint(0, 64, (2, 10)), cache=cache)
-    assert cache.nbytes() == m.cache_bytes(10, batch=2)
-
-
 def test_mamba2_cache_holds_the_state_and_conv_tail():
     """n_heads * d_state * head_dim state values (fp32) + the conv tail over [C | B | x] (2 n_groups d_state +
     d_inner channels, K - 1 = 3 each)."""

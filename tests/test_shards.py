@@ -141,6 +141,15 @@ def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, worke
             assert all(torch.equal(a, b) for a, b in zip(run(resumed), epoch2))
 
 
+def assert_rows_equal_from(ref: Path, run: Path, saved: int) -> None:
+    """Every train/loss row of `run` from step `saved` (its checkpoint) on equals the uninterrupted `ref`'s."""
+    a, b = losses(ref), losses(run)
+    after = [s for s in a if s >= saved]
+    assert after and all(s in b for s in after)
+    for s in after:
+        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
+
+
 def test_stop_and_resume_equals_uninterrupted_across_epochs(small_corpus, tmp_path):
     """1 process x 2 workers, in process: a run stopped at step 9 and resumed to 28 (an epoch is ~20 batches, so
     the resumed part crosses an epoch boundary, with checkpoints inside both epochs) logs the uninterrupted run's
@@ -177,11 +186,7 @@ def test_sigkill_then_resume_cli_equals_uninterrupted(corpus, tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    a, b = losses(ref), losses(run)
-    after = [s for s in a if s >= saved]
-    assert after and all(s in b for s in after)
-    for s in after:
-        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
+    assert_rows_equal_from(ref, run, saved)
 
 
 def test_ddp_two_ranks_two_workers_sigkill_then_resume_equals_uninterrupted(small_corpus, tmp_path):
@@ -205,11 +210,7 @@ def test_ddp_two_ranks_two_workers_sigkill_then_resume_equals_uninterrupted(smal
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 8 <= saved < 60
     train(compose_cfg(common + ["ckpt_path=last"], run))
-    a, b = losses(ref), losses(run)
-    after = [s for s in a if s >= saved]
-    assert after and all(s in b for s in after)
-    for s in after:
-        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a[s], b[s])
+    assert_rows_equal_from(ref, run, saved)
 
 
 def test_token_budget_tokens_seen_and_the_manifest_in_the_summary(corpus, tmp_path):
