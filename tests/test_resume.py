@@ -3,6 +3,7 @@
 refused under another model/data config in one line, `--resume RUN_DIR` re-composes the run's own
 overrides, and a run directory has one live owner."""
 import csv
+import re
 import os
 import subprocess
 import sys
@@ -315,7 +316,10 @@ def test_resume_continues_the_tensorboard_folder_and_the_wandb_run(tmp_path, mon
     train(compose_cfg(BASE + loggers + ["trainer.max_steps=8", "ckpt_path=last"], run))
     out = capfd.readouterr().out
     assert f"continuing run {first_id}" in out and (run / "wandb_run_id").read_text() == first_id
-    assert len({p.name.split("-")[-1] for p in (run / "wandb").glob("offline-run-*")}) == 1  # one run id
+    # one run id: offline-run-<YYYYMMDD_HHMMSS>-<id>, and wandb appends -1 when the resumed run starts within the
+    # same second as the first (its folder name would collide)
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", p.name).group(1) for p in (run / "wandb").glob("offline-run-*")}
+    assert ids == {first_id}
     folders = {p.parent for p in (run / "tensorboard").rglob("events.out.tfevents.*")}
     assert len(folders) == 1
     steps = []
