@@ -141,6 +141,18 @@ def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, worke
             assert all(torch.equal(a, b) for a, b in zip(run(resumed), epoch2))
 
 
+def killed_mid_run(overrides: list, run: Path) -> int:
+    """`attnzoo-train` (the CLI, in its own process) SIGKILLed once a checkpoint at step >= 8 exists (of 60);
+    returns the step of the checkpoint it left."""
+    p = cli(overrides + [f"hydra.run.dir={run}"])
+    wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 8 <= saved < 60
+    return saved
+
+
 def assert_rows_equal_from(ref: Path, run: Path, saved: int) -> None:
     """Every train/loss row of `run` from step `saved` (its checkpoint) on equals the uninterrupted `ref`'s."""
     a, b = losses(ref), losses(run)
@@ -177,12 +189,7 @@ def test_sigkill_then_resume_cli_equals_uninterrupted(corpus, tmp_path):
     ref = tmp_path / "ref"
     train(compose_cfg(common, ref))
     run = tmp_path / "killed"
-    p = cli(common + [f"hydra.run.dir={run}"])
-    wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert 8 <= saved < 60
+    saved = killed_mid_run(common, run)
     r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -203,12 +210,7 @@ def test_ddp_two_ranks_two_workers_sigkill_then_resume_equals_uninterrupted(smal
     seen = [float(r["train/tokens_seen"]) for r in rows(ref) if r.get("train/tokens_seen")]
     assert seen == [float(2 * B * T * s) for s in range(1, 61)]
     run = tmp_path / "killed"
-    p = cli(common + [f"hydra.run.dir={run}"])
-    wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert 8 <= saved < 60
+    saved = killed_mid_run(common, run)
     train(compose_cfg(common + ["ckpt_path=last"], run))
     assert_rows_equal_from(ref, run, saved)
 

@@ -256,17 +256,24 @@ def _tok_text(t: dict) -> str:
     return ", ".join(f"{k}={v if k != 'sha256' else str(v)[:12]}" for k, v in t.items() if v is not None)
 
 
-def prepare(src: str | Path, out: str | Path, **options) -> dict:
-    """Tokenize SRC into OUT (the prepared-corpus contract); returns the manifest. Resumes a killed run from
-    its finished parts; on a finished OUT of the same SRC and options it does nothing and returns its manifest.
-    Bad input is a one-line ConfigError raised before any work (a malformed record deep in a file, found by a
-    worker, is one line too)."""
-    names = {f.name for f in fields(PrepareOptions)}
+def checked_options(options: dict, exclude: tuple = ()) -> PrepareOptions:
+    """`prepare`'s options as PrepareOptions, checked: an unknown name (or one in `exclude`) or a bad value is
+    a one-line ConfigError (field `prepare`, or the option's flag)."""
+    names = {f.name for f in fields(PrepareOptions)} - set(exclude)
     unknown = sorted(set(options) - names)
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]!r}; allowed: {', '.join(sorted(names))}", field="prepare")
     o = PrepareOptions(**options)
     o.validate()
+    return o
+
+
+def prepare(src: str | Path, out: str | Path, **options) -> dict:
+    """Tokenize SRC into OUT (the prepared-corpus contract); returns the manifest. Resumes a killed run from
+    its finished parts; on a finished OUT of the same SRC and options it does nothing and returns its manifest.
+    Bad input is a one-line ConfigError raised before any work (a malformed record deep in a file, found by a
+    worker, is one line too)."""
+    o = checked_options(options)
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file; allowed: a new or empty directory, or a folder attnzoo-data prepared",

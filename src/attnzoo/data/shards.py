@@ -33,7 +33,7 @@ from litdata.utilities.env import _DistributedEnv
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
-from attnzoo.data.prepare import PrepareOptions, prepare, resolve_source
+from attnzoo.data.prepare import PrepareOptions, checked_options, prepare, resolve_source
 from attnzoo.data.prepare import read_manifest as read_prepared_manifest
 from attnzoo.data.prepare_tokens import tokenizer_source
 from attnzoo.data.sampling import ResumableDataLoader, _rank_world
@@ -104,14 +104,8 @@ def _relabel(e: ConfigError, field: str) -> ConfigError:
 def prepare_options(source: str, options: dict, field: str = "data") -> tuple[PrepareOptions, dict, dict]:
     """(the options, the source record, the tokenizer identity) of data.source + data.prepare, checked: one line
     naming data.source / data.prepare.<option>. progress is the command's; the rest shapes the prepared folder."""
-    names = {f.name for f in PrepareOptions.__dataclass_fields__.values()} - {"progress"}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise ConfigError(f"unknown option {unknown[0]!r}; allowed: {', '.join(sorted(names))}",
-                          field=f"{field}.prepare")
     try:
-        o = PrepareOptions(**options)
-        o.validate()
+        o = checked_options(options, exclude=("progress",))
         return o, resolve_source(str(source), o)[0], tokenizer_source(o)[1]
     except ConfigError as e:
         raise _relabel(e, field) from None
@@ -287,7 +281,7 @@ class ShardsDataModule(L.LightningDataModule):
         self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
                                          num_workers=self.cfg.num_workers, collate_fn=self._collate())
         if len(self.train_loader) == 0:
-            raise ConfigError(f"{self.cfg.path}'s train split gives no batch of {self.cfg.batch_size} per rank and "
+            raise ConfigError(f"{self.root}'s train split gives no batch of {self.cfg.batch_size} per rank and "
                               f"loader worker; allowed: fewer data.num_workers, a smaller data.batch_size / seq_len",
                               field="data.batch_size")
         return self.train_loader
