@@ -114,6 +114,8 @@ RECURRENT = {
     "retnet": {"name": "retnet"}, "retnet-C8": {"name": "retnet", "chunk_size": 8},
     "hgrn2-C8": {"name": "hgrn2", "chunk_size": 8}, "hgrn2-C4+conv3": {"name": "hgrn2", "chunk_size": 4, "conv_size": 3},
     "mamba2-C8": {"name": "mamba2", "chunk_size": 8, "n_groups": 2}, "mamba2": {"name": "mamba2", "d_state": 16},
+    "rwkv7-C8": {"name": "rwkv7", "chunk_size": 8},
+    "rwkv7-C4+conv3-dv6": {"name": "rwkv7", "chunk_size": 4, "conv_size": 3, "head_dim": 4, "v_head_dim": 6},
 }
 
 
@@ -127,7 +129,7 @@ def test_recurrent_flops_exact_for_the_chunkwise_form(name, L):
     with counter() as fc:
         mixer(_inputs(m, L, requires_grad=True), positions=torch.arange(L))
     counted = fc.get_total_flops()
-    if "delta" in name:
+    if "delta" in name or name.startswith("rwkv7"):  # rwkv7: the generalized delta rule's UT transform
         C = min(mixer.chunk_size, L)
         counted += mixer.n_v_heads * C * C / 3 * L
     assert counted == pytest.approx(mixer.flops_per_token(L) * L, rel=1e-12)

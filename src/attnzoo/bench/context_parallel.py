@@ -52,6 +52,7 @@ CASES: dict[str, dict] = dict([
     _case(mixer={"name": "retnet", "chunk_size": 4}),
     _case(mixer={"name": "hgrn2", "chunk_size": 4}),
     _case(mixer={"name": "mamba2", "chunk_size": 4, "d_state": 8, "n_groups": 2}),
+    _case("+conv3", mixer={"name": "rwkv7", "chunk_size": 4, "conv_size": 3}),
     ("hybrid gdn/gqa/swa", {"n_layers": 3, "pattern": ["gdn", "attn", "swa"],
                             "mixers": {"gdn": {"name": "gated_deltanet", "chunk_size": 4}, "attn": {"name": "gqa"},
                                        "swa": {"name": "sliding_window", "window": 6}}}),
