@@ -84,6 +84,12 @@ class ModelConfig:
     # kernels (ops/dispatch.py, docs/gpu.md): auto = fla's Triton kernels for the linear family and flex_attention
     # for sliding windows on CUDA when installed (the `gpu` extra), torch elsewhere; torch | fla | flex to force
     impl: str = "auto"
+    # standard | mup: the maximal update parametrization (Yang et al. 2022, Tensor Programs V, arXiv:2203.03466;
+    # models/mup.py, docs/mup.md): hidden weights' init std and AdamW learning rate scaled by the width multiplier
+    # m = d_model / mup_base_width, logits * 1/m, q.k scale 1/d for softmax attention, so tuned hyper-parameters
+    # transfer across widths
+    parametrization: str = "standard"
+    mup_base_width: Optional[int] = None  # the d_model the hyper-parameters were tuned at (mup: required)
 
 
 @dataclass
@@ -314,6 +320,7 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     check_choice(cfg.norm_position, "model.norm_position", ("pre", "post"))
     check_choice(cfg.init, "model.init", ("gpt2", "pytorch"))
     check_choice(cfg.impl, "model.impl", IMPLS)
+    _check_parametrization(cfg)
     check_choice(cfg.position.name, "model.position.name", ("rope", "alibi", "sinusoidal", "learned", "none"))
     check(0.0 < cfg.position.rotary_fraction <= 1.0, "model.position.rotary_fraction", "must be in (0, 1]")
     check_choice(cfg.position.scaling, "model.position.scaling", ROPE_SCALINGS)
@@ -331,6 +338,22 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     if hasattr(cfg.ffn, "validate"):
         cfg.ffn.validate(cfg, field="model.ffn")
     return cfg
+
+
+def _check_parametrization(cfg: ModelConfig) -> None:
+    """model.parametrization=mup (models/mup.py): the decoder LM trained from its own init, with a base width."""
+    check_choice(cfg.parametrization, "model.parametrization", ("standard", "mup"))
+    if cfg.parametrization == "standard":
+        return
+    check(cfg.mup_base_width is not None and cfg.mup_base_width > 0, "model.mup_base_width",
+          f"got {cfg.mup_base_width}; allowed with model.parametrization=mup: the d_model the hyper-parameters "
+          f"were tuned at, a positive width (e.g. {cfg.d_model} for this width itself)")
+    check(cfg.name == "decoder", "model.parametrization", f"mup is implemented for the decoder LM; allowed with "
+          f"model.name={cfg.name}: standard")
+    check(cfg.init == "gpt2", "model.init", "mup scales the gpt2 init (init_std is the std at mup_base_width); "
+          "allowed with model.parametrization=mup: gpt2")
+    check(cfg.init_from is None, "model.init_from", "imported weights keep their own parametrization; allowed "
+          "with model.parametrization=mup: null")
 
 
 def _check_rope(pos: PositionConfig, head_dim: int) -> None:

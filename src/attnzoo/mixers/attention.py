@@ -87,12 +87,16 @@ class Attention(Mixer):
     linearize_source = True  # q/k/v/o seed a linear mixer (training/linearize.py)
     hf_layer = HF_FULL_ATTENTION  # Llama / Qwen2 / Qwen3 / Mixtral, Qwen3-Next's attention layers
 
+    @classmethod
+    def mup_qk_grows(cls, cfg) -> bool:  # softmax logits: q.k / d under µP (Mixer.mup_qk_scale)
+        return True
+
     def __init__(self, cfg: AttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.n_heads = model_cfg.n_heads
         self.n_kv_heads = cfg.kv_heads(model_cfg)
         self.head_dim = model_cfg.head_dim  # resolved by config.resolve_model
-        self.scale = cfg.softmax_scale
+        self.scale = self.mup_qk_scale(model_cfg, self.head_dim, cfg.softmax_scale)  # None: head_dim^-1/2
         self.causal = cfg.causal
         self.dropout = model_cfg.dropout
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim

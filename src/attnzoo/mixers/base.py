@@ -51,7 +51,7 @@ class Mixer(nn.Module):
     `full_causal_attention` (context-parallel layout), `kernel_family` / `dispatch_family()` (kernel dispatch),
     `kv_quantizable` (KV formats), `bidirectional` (encoder-decoder), `linearize_source` / `linearize_target` /
     `linearize_sizes()` (linearize), `hf_layer` / `hf_missing` / `hf_mixer_config()` (transformers interop),
-    `check_seq_len()` (the training length).
+    `check_seq_len()` (the training length); the class's own `mup_qk_grows()` (µP's q.k scale, `mup_qk_scale`).
     """
 
     impl: str = "fast"
@@ -83,6 +83,13 @@ class Mixer(nn.Module):
     hf_layer: Optional[str] = None
     hf_missing: str = "this mixer has no transformers causal-LM counterpart"
 
+    # µP (model.parametrization=mup; models/mup.py, docs/mup.md): whether this mixer's q.k, once training aligns q
+    # with k, grows like d (the q/k size per head) and reaches the output undivided, so µP scales it by d^-1/2 more
+    # (softmax: 1/d instead of 1/sqrt(d)); `mup_qk_scale` applies it. A class may decide per config (classmethod)
+    @classmethod
+    def mup_qk_grows(cls, cfg: Any) -> bool:
+        return False
+
     def __init__(self, cfg: Any, model_cfg: Any, layer_idx: int):
         super().__init__()
         self.cfg = cfg
@@ -91,6 +98,14 @@ class Mixer(nn.Module):
         # model.impl (auto | torch | fla | flex): resolved per call by ops/dispatch.py from the input's device
         self.kernel_request: str = getattr(model_cfg, "impl", "auto")
         self.input_conv: Optional[nn.Module] = None
+
+    def mup_qk_scale(self, model_cfg: Any, d: int, scale: Optional[float]) -> Optional[float]:
+        """The q.k scale this layer applies: `scale` as configured (None: the kernel's d^-1/2), times d^-1/2 under
+        model.parametrization=mup when `mup_qk_grows(cfg)` (softmax attention: 1/d, as Yang et al. 2022 and the mup
+        package)."""
+        if getattr(model_cfg, "parametrization", "standard") != "mup" or not self.mup_qk_grows(self.cfg):
+            return scale
+        return 1.0 / d if scale is None else scale / d**0.5
 
     # ------------------------------------------------------------------ short conv on the mixer input
     def build_input_conv(self, conv_size: int, bias: bool = False) -> None:

@@ -73,6 +73,10 @@ class DeltaNet(RecurrentMixer):
     hf_missing = ("ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
                   "gated_deltanet)")
 
+    @classmethod
+    def mup_qk_grows(cls, cfg) -> bool:  # q and k are L2-normalised: q.k stays in [-1, 1] at any d (docs/mup.md)
+        return False
+
     def __init__(self, cfg: DeltaNetConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         h, hv, dk, dv = cfg.sizes(model_cfg)

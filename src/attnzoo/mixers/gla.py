@@ -63,10 +63,15 @@ class GatedLinearMixer(RecurrentMixer):
     # q's scale in the op: None = d_k^-1/2 (GLA, RetNet, HGRN2 as fla runs them); Mamba-2's SSD reads unscaled (1.0)
     scale: Optional[float] = None
 
+    @classmethod
+    def mup_qk_grows(cls, cfg) -> bool:  # a per-head (Mamba-2: per-group; HGRN2: whole) output norm divides it out
+        return not getattr(cfg, "use_output_norm", True)
+
     def __init__(self, cfg, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.chunk_size = cfg.chunk_size
         self.build(**self.layout(cfg, model_cfg))
+        self.scale = self.mup_qk_scale(model_cfg, self.qk_dim, self.scale)
 
     def layout(self, cfg, model_cfg) -> dict:
         """`build`'s arguments from the config: n_heads heads of d_k = head_dim, d_v = v_head_dim (null: the model's

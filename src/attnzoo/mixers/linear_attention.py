@@ -75,6 +75,10 @@ class LinearAttentionConfig:
 class LinearAttention(RecurrentMixer):
     hf_missing = "linear attention (no softmax) has no transformers causal-LM counterpart"
 
+    @classmethod
+    def mup_qk_grows(cls, cfg) -> bool:  # the normaliser or the output norm divides the scale out
+        return not (cfg.normalize or cfg.use_output_norm)
+
     def __init__(self, cfg: LinearAttentionConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         h = cfg.n_heads or model_cfg.n_heads
@@ -83,7 +87,7 @@ class LinearAttention(RecurrentMixer):
         self.chunk_size, self.normalize, self.eps = cfg.chunk_size, cfg.normalize, cfg.norm_eps
         self.phi_dim = feature_dim_out(cfg.feature_map, fd)
         default_scale = 1.0 if cfg.feature_map == "taylor2" else fd**-0.5
-        self.scale = default_scale if cfg.scale is None else cfg.scale
+        self.scale = self.mup_qk_scale(model_cfg, fd, default_scale if cfg.scale is None else cfg.scale)
         self.build(
             n_qk_heads=h, n_v_heads=h, qk_dim=fd, v_dim=dv,
             state_shape=(self.phi_dim, dv + int(cfg.normalize)),  # + the key-sum column when normalising

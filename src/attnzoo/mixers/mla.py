@@ -122,6 +122,10 @@ class MLA(Mixer):
     kernel_family = "latent"
     hf_layer = HF_LATENT_ATTENTION  # DeepSeek-V3
 
+    @classmethod
+    def mup_qk_grows(cls, cfg) -> bool:  # softmax logits: q.k / d under µP (Mixer.mup_qk_scale)
+        return True
+
     def __init__(self, cfg: MLAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         s = cfg.sizes(model_cfg)
@@ -129,7 +133,7 @@ class MLA(Mixer):
         self.n_heads = H
         self.q_lora_rank, self.kv_lora_rank = s["q_lora_rank"], s["kv_lora_rank"]
         self.dn, self.dr, self.dv = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["v_head_dim"]
-        self.scale = cfg.softmax_scale or (self.dn + self.dr) ** -0.5
+        self.scale = self.mup_qk_scale(model_cfg, self.dn + self.dr, cfg.softmax_scale or (self.dn + self.dr) ** -0.5)
         self.dropout = model_cfg.dropout
         qk = self.dn + self.dr
         if self.q_lora_rank is None:

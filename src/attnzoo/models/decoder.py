@@ -21,6 +21,7 @@ from attnzoo.layers.norm import build_norm
 from attnzoo.ops.packing import Documents
 from attnzoo.layers.position import AbsolutePosition
 from attnzoo.config.registry import MIXERS
+from attnzoo.models import mup
 
 
 def residual(h: torch.Tensor, f, norm: nn.Module, drop: nn.Module, pre: bool) -> torch.Tensor:
@@ -114,6 +115,12 @@ class DecoderLM(nn.Module):
                     nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # model.parametrization=mup (models/mup.py): hidden weights' init and AdamW groups by the width, logits / m
+        self.readout_multiplier = 1.0
+        if cfg.parametrization == "mup":
+            with torch.device("meta"):  # the same model at twice the width: which weights' fan-in grows
+                delta = DecoderLM(mup.delta_config(cfg))
+            self.readout_multiplier = mup.apply(self, delta)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -150,7 +157,9 @@ class DecoderLM(nn.Module):
                 h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
         if cache is not None:
             cache.seq_len += T
-        return self.norm(h)
+        h = self.norm(h)
+        # µP's readout multiplier on the head's input, so the chunked training loss (lm_head.weight) sees it too
+        return h if self.readout_multiplier == 1.0 else h * self.readout_multiplier
 
     def forward(
         self,

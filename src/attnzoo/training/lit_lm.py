@@ -90,7 +90,8 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None) -> list[dict]:
     """AdamW groups: decay on weight matrices only; none on norms, biases, embeddings, and parameters
     flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias). Parameters flagged `_lr_scale`
-    (model=vlm's image encoder, model.vision.lr_scale) get groups of their own at lr * scale."""
+    (model=vlm's image encoder, model.vision.lr_scale; µP's hidden weights, models/mup.py) get groups of their own
+    at lr * scale, and decayed ones flagged `_wd_scale` (µP) weight_decay * that scale."""
     groups: dict = {}
     seen: set = set()
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -99,11 +100,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
             continue
         seen.add(id(p))
         decay = p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False)
-        groups.setdefault((getattr(p, "_lr_scale", 1.0), decay), []).append(p)
-    out = [{"params": groups.pop((1.0, True), []), "weight_decay": weight_decay},
-           {"params": groups.pop((1.0, False), []), "weight_decay": 0.0}]
-    for (scale, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
-        out.append({"params": params, "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale,
+        wd_scale = getattr(p, "_wd_scale", 1.0) if decay else 1.0
+        groups.setdefault((getattr(p, "_lr_scale", 1.0), wd_scale, decay), []).append(p)
+    out = [{"params": groups.pop((1.0, 1.0, True), []), "weight_decay": weight_decay},
+           {"params": groups.pop((1.0, 1.0, False), []), "weight_decay": 0.0}]
+    for (scale, wd_scale, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][2], kv[0][1])):
+        out.append({"params": params, "weight_decay": weight_decay * wd_scale if decay else 0.0, "lr_scale": scale,
                     **({"lr": lr * scale} if lr is not None else {})})
     return out
 
