@@ -1,6 +1,6 @@
 """How long a run trains (attnzoo/config/stops.py): trainer.max_steps / max_tokens / max_flops, whichever comes first;
 the budget becomes steps once the model is built, the learning-rate schedule decays over them, and
-train/tokens / train/flops are logged as the run goes."""
+train/tokens / train/flops are logged as the run goes, counted on from the checkpoint by a resumed run."""
 import csv
 import json
 import math
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from attnzoo.config.stops import run_length, tokens_per_step
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.stops import Spent, run_length, tokens_per_step
 from attnzoo.training.run import train
 from tests.conftest import SMALL_TEXT, compose_cfg
 
@@ -78,3 +79,49 @@ def test_a_token_budget_counts_every_data_parallel_rank(tmp_path):
     # two ranks train on 2 x B x T tokens a step: the budget of 6 one-rank steps is 3 steps
     assert summary["global_step"] == 3 and summary["length"]["tokens_per_step"] == 2 * B * T
     assert math.isclose(float(spent_rows(out)[-1]["train/tokens"]), 6 * B * T)
+
+
+def test_a_resumed_budget_spends_what_is_left_and_a_budget_below_one_step_is_refused():
+    fresh = run_length(None, None, 640.0 * 6.5, 64, 10.0)
+    assert fresh.steps == 7 and fresh.spent_at(7) == Spent(7, 7 * 64, 7 * 640.0)
+    # resumed after 3 steps at the same cost: the uninterrupted run's 7 steps
+    same = run_length(None, None, 640.0 * 6.5, 64, 10.0, Spent(3, 3 * 64, 3 * 640.0))
+    assert (same.steps, same.limit) == (7, "trainer.max_flops") and same.spent_at(7) == fresh.spent_at(7)
+    # resumed at twice the tokens per step: 3.5 single steps' worth left = 2 double steps (5 in all)
+    double = run_length(None, None, 640.0 * 6.5, 128, 10.0, Spent(3, 3 * 64, 3 * 640.0))
+    assert double.steps == 5 and double.spent_at(5) == Spent(5, 3 * 64 + 2 * 128, 3 * 640.0 + 2 * 1280.0)
+    assert double.summary(None, 640.0 * 6.5)["flops"] == 7 * 640.0
+    # a budget already spent: no step more; a token budget counts on the same way
+    assert run_length(None, None, 640.0 * 2, 64, 10.0, Spent(3, 3 * 64, 3 * 640.0)).steps == 3
+    assert run_length(None, 64 * 5, None, 32, 10.0, Spent(2, 2 * 64, 2 * 640.0)).steps == 2 + 6
+    assert run_length(2, None, 640.0 * 6.5, 64, 10.0, Spent(1, 64, 640.0)).limit == "trainer.max_steps"
+    with pytest.raises(ConfigError, match=r"^trainer.max_flops: 639 is below one optimizer step \(640 FLOPs"):
+        run_length(None, None, 639.0, 64, 10.0)
+
+
+def test_a_flop_budget_resumed_from_its_checkpoint_counts_on(tmp_path):
+    """A FLOP-budget run stopped after 3 steps and resumed equals the uninterrupted one: the same steps, the same
+    train/flops and train/loss rows; the checkpoint holds the count. Resumed with twice the tokens per step
+    (gradient accumulation 2), it spends the rest of the budget at the new cost instead of recounting from zero."""
+    probe = tmp_path / "probe"
+    per_token = train(compose_cfg(FAST + ["trainer.max_steps=1"], probe))["perf/flops_per_token"]
+    # the checkpoint at step 3 written on the step schedule, as the one a crashed or preempted run resumes from
+    constant = ["scheduler=constant", f"trainer.max_flops={per_token * B * T * 6.5}", "callbacks.checkpoint_every_n_steps=3"]
+    ref, split, wider = tmp_path / "ref", tmp_path / "split", tmp_path / "wider"
+    train(compose_cfg(FAST + constant + ["trainer.max_steps=null"], ref))
+    for d in (split, wider):
+        train(compose_cfg(FAST + constant + ["trainer.max_steps=3"], d))
+    state = torch.load(split / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["TrainingSpend"]
+    assert state == {"steps": 3, "tokens": 3 * B * T, "flops": pytest.approx(3 * B * T * per_token)}
+    train(compose_cfg(FAST + constant + ["trainer.max_steps=null", "ckpt_path=last"], split))
+    a, b = spent_rows(ref), spent_rows(split)
+    assert [r["step"] for r in b] == [r["step"] for r in a] and len(a) == 7
+    assert [float(r["train/flops"]) for r in b] == [float(r["train/flops"]) for r in a]
+    assert [float(r["train/loss"]) for r in b] == pytest.approx([float(r["train/loss"]) for r in a], abs=1e-6)
+    assert json.loads((split / "summary.json").read_text())["length"] == json.loads((ref / "summary.json").read_text())["length"]
+    train(compose_cfg(FAST + constant + ["trainer.max_steps=null", "trainer.accumulate_grad_batches=2", "ckpt_path=last"],
+                      wider))
+    summary = json.loads((wider / "summary.json").read_text())
+    assert summary["global_step"] == 5 and summary["length"]["tokens"] == 7 * B * T  # 3 single + 2 double steps
+    flops = [float(r["train/flops"]) for r in spent_rows(wider)]
+    assert flops == pytest.approx([per_token * B * T * k for k in (1, 2, 3, 5, 7)])  # after steps 1, 2, 3, 4, 5

@@ -8,7 +8,7 @@ import torch
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.schema import resolve_model
-from attnzoo.config.stops import run_length, tokens_per_step
+from attnzoo.config.stops import Spent, run_length, tokens_per_step
 from attnzoo.data import build_datamodule
 from attnzoo.interop.hf import init_weights_from
 from attnzoo.models.flops import train_flops_per_token
@@ -66,19 +66,32 @@ def build_module(container: dict, dm, run):
     return family, lit
 
 
-def resolve_run_length(run, data_cfg, lit, family, container: dict):
+def resolve_run_length(run, data_cfg, lit, family, container: dict, ckpt: dict | None = None):
     """trainer.max_steps / max_tokens / max_flops -> the run's steps (attnzoo/config/stops.py), written where the
-    Trainer, the learning-rate schedule and the saved config read them. None for families other than the
-    decoder LM (their length is max_steps; no token or FLOP budget)."""
+    Trainer, the learning-rate schedule and the saved config read them; a resumed run counts on from what its
+    checkpoint had spent. None for families other than the decoder LM (their length is max_steps; no token or
+    FLOP budget)."""
     t = run.trainer
     if family.name != "decoder":
         return None
     data_parallel = max(1, requested_devices(t) * t.num_nodes // t.context_parallel)
-    length = run_length(t.max_steps, t.max_tokens, t.max_flops,
-                        tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel),
-                        train_flops_per_token(lit.model, data_cfg.seq_len))
+    per_step = tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel)
+    per_token = train_flops_per_token(lit.model, data_cfg.seq_len)
+    length = run_length(t.max_steps, t.max_tokens, t.max_flops, per_step, per_token, spent_in(ckpt, per_step, per_token))
     if length.limit != "trainer.max_steps" or t.max_steps is None:
         t.max_steps = container["trainer"]["max_steps"] = lit.max_steps = length.steps
         print(f"attnzoo: {length.limit}={getattr(t, length.limit.split('.')[1]):.4g} -> {length.steps} steps of "
               f"{length.tokens_per_step:,} tokens ({length.flops_per_step:.3g} FLOPs) each", flush=True)
     return length
+
+
+def spent_in(ckpt: dict | None, per_step: int, per_token: float) -> Spent:
+    """What a checkpoint's run had trained on (TrainingSpend's count; a checkpoint without it: its steps at this
+    run's per-step cost). Nothing for a fresh run."""
+    if ckpt is None:
+        return Spent()
+    state = (ckpt.get("callbacks") or {}).get("TrainingSpend")
+    if state:
+        return Spent(int(state["steps"]), int(state["tokens"]), float(state["flops"]))
+    step = int(ckpt.get("global_step", 0))
+    return Spent(step, step * per_step, step * per_step * per_token)

@@ -113,22 +113,32 @@ class ThroughputMonitor(L.Callback):
 
 class TrainingSpend(L.Callback):
     """Logs `train/tokens` and `train/flops` after every optimizer step: what the run has trained on so far,
-    all ranks together (steps x tokens per step, x the model's training FLOPs per token; attnzoo/config/stops.py).
-    A data module that counts what its loader delivered (data=shards: `tokens_seen()`, from the consumed
-    position) adds `train/tokens_seen`, the same count from the data side (ahead of train/tokens by the
-    micro-batches of an optimizer step in progress)."""
+    all ranks together (steps x tokens per step, x the model's training FLOPs per token; attnzoo/config/stops.py),
+    counted from what the run had spent when it started (`length.start`: a resumed run's checkpoint holds this
+    callback's count, `state_dict`). A data module that counts what its loader delivered (data=shards:
+    `tokens_seen()`, from the consumed position) adds `train/tokens_seen`, the same count from the data side
+    (ahead of train/tokens by the micro-batches of an optimizer step in progress)."""
 
     def __init__(self, length) -> None:
         self.length = length
+        self._trainer = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        metrics = {"train/tokens": float(step * self.length.tokens_per_step),
-                   "train/flops": float(step * self.length.flops_per_step)}
+        spent = self.length.spent_at(trainer.global_step)
+        metrics = {"train/tokens": float(spent.tokens), "train/flops": float(spent.flops)}
         seen = getattr(trainer.datamodule, "tokens_seen", None)
         if seen is not None and seen() is not None:
             metrics["train/tokens_seen"] = float(seen())
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def state_dict(self) -> dict:
+        """The count at the checkpoint's step, read back before a resumed run is sized (training/build.py)."""
+        step = self._trainer.global_step if self._trainer is not None else self.length.start.steps
+        spent = self.length.spent_at(step)
+        return {"steps": spent.steps, "tokens": spent.tokens, "flops": spent.flops}
 
 
 class PreemptionCheckpoint(L.Callback):

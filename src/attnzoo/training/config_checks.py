@@ -5,6 +5,7 @@ model families), so the model-part configs never import it.
 """
 from __future__ import annotations
 
+import math
 import shutil
 from typing import Any
 
@@ -170,6 +171,8 @@ def _check_length(run: Any, model: ModelConfig, data: Any) -> None:
             continue
         check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, f"trainer.{key}",
               f"must be positive or null, got {value!r}")
+        check(math.isfinite(value), f"trainer.{key}", f"must be finite, got {value!r}; allowed: a positive number, "
+              "or null (no budget)")
         fam = family_of(model)
         check(fam.name == "decoder", f"trainer.{key}", f"is for decoder LMs; allowed with model={model.name} "
               f"({fam.name} family): null (trainer.max_steps)")

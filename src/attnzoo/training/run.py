@@ -92,7 +92,7 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
             on_accept()
         return _train_in_workers(container, out, n_workers)
     family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
-    parts["length"] = resolve_run_length(run, parts["data"], lit, family, container)
+    parts["length"] = resolve_run_length(run, parts["data"], lit, family, container, ckpt)
     if on_accept is not None:
         on_accept()
     out.mkdir(parents=True, exist_ok=True)
