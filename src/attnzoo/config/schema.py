@@ -109,6 +109,16 @@ class SchedulerConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """trainer.strategy=fsdp (FSDP2, `fully_shard` per block and the root; attnzoo/training/fsdp.py)."""
+
+    param_dtype: Optional[str] = None  # compute / all-gather dtype: null (the parameters' own) | bf16 | fp16 | fp32
+    reduce_dtype: Optional[str] = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 | null (param_dtype)
+    reshard_after_forward: bool = True  # free each block's gathered weights after its forward (ZeRO-3; false: ZeRO-2)
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer state in host memory (GPU runs only)
+
+
+@dataclass
 class TrainerConfig:
     accelerator: str = "cpu"
     devices: Any = 1
@@ -135,6 +145,7 @@ class TrainerConfig:
     # memory (decoder LMs; docs/benchmarks.md#memory-activation-checkpointing-and-chunked-cross-entropy):
     activation_checkpointing: bool = False  # keep each block's input only; recompute the block in backward
     ce_chunk_tokens: int = 0  # >0: training loss from the hidden states this many tokens at a time (no full logits)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # read when strategy=fsdp (docs/distributed.md)
 
     def lightning_kwargs(self) -> dict:
         """The fields Lightning's Trainer takes (context parallelism and the memory options are attnzoo's own)."""
@@ -142,7 +153,7 @@ class TrainerConfig:
 
         kw = asdict(self)
         for own in ("context_parallel", "context_parallel_layout", "activation_checkpointing", "ce_chunk_tokens",
-                    "max_tokens", "max_flops"):
+                    "max_tokens", "max_flops", "fsdp"):
             kw.pop(own)
         return kw
 

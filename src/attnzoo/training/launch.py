@@ -72,7 +72,7 @@ def check_launchable(trainer_cfg) -> None:
     from attnzoo.config.errors import check
 
     strategy = str(trainer_cfg.strategy or "auto")
-    if strategy.startswith("ddp") or launched_externally():
+    if is_data_parallel(strategy) or launched_externally():
         return
     n = requested_devices(trainer_cfg)
     preset = "ddp" if on_gpus(trainer_cfg) else "ddp_cpu"
@@ -80,10 +80,15 @@ def check_launchable(trainer_cfg) -> None:
           f"start here; allowed: 1, or DDP through attnzoo's launcher: trainer={preset} trainer.devices={n}")
 
 
+def is_data_parallel(strategy: str) -> bool:
+    """The strategies whose ranks attnzoo's launcher starts: DDP and FSDP (training/fsdp.py)."""
+    return strategy.startswith("ddp") or strategy == "fsdp"
+
+
 def processes_to_launch(trainer_cfg) -> int:
     """How many local worker processes this job must start itself (0: run in this process)."""
     strategy = str(trainer_cfg.strategy or "auto")
-    if launched_externally() or not strategy.startswith("ddp") or strategy == "ddp_spawn" or trainer_cfg.num_nodes > 1:
+    if launched_externally() or not is_data_parallel(strategy) or strategy == "ddp_spawn" or trainer_cfg.num_nodes > 1:
         return 0
     n = requested_devices(trainer_cfg)
     return n if n > 1 else 0

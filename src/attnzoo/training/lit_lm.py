@@ -18,6 +18,7 @@ from attnzoo.config.schema import OptimConfig, SchedulerConfig, resolve_model
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.cross_entropy import chunked_cross_entropy
 from attnzoo.ops.packing import Documents
+from attnzoo.training.fsdp import FSDPStrategy, is_sharded, shard_model
 
 log = logging.getLogger("attnzoo")
 # validation metrics are reduced exactly (token-weighted all_gather) in on_validation_epoch_end
@@ -174,7 +175,9 @@ class TrainingModule(L.LightningModule):
         and the submodules' auxiliary losses."""
         if not self._guard_loss(loss):
             return None
-        self.log("train/loss", loss if logged is None else logged, prog_bar=True)
+        # the mean over data-parallel ranks (what their averaged gradient descends), not rank 0's share alone
+        self.log("train/loss", loss if logged is None else logged, prog_bar=True,
+                 sync_dist=self._trainer is not None and self.trainer.world_size > 1)
         return self._with_aux(loss)
 
     def optimizer_step(self, *args, **kwargs) -> None:
@@ -183,6 +186,12 @@ class TrainingModule(L.LightningModule):
         checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use."""
         super().optimizer_step(*args, **kwargs)
         hooks.after_optimizer_step(self.model)
+
+    def configure_model(self) -> None:
+        """trainer.strategy=fsdp: shard the model in place (training/fsdp.py), once; nothing for other strategies."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy) and not is_sharded(self.model):
+            shard_model(self.model, strategy.device_mesh["data_parallel"], strategy.fsdp_cfg)
 
     # ------------------------------------------------------------------ random state
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -12,6 +12,7 @@ from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths
 from attnzoo.mixers.kv_quant import KVFormat
 from attnzoo.models.flops import precision_dtype
 from attnzoo.training.callbacks import RunCheckpoint
+from attnzoo.training.fsdp import is_sharded, unshard_for_rank_zero
 
 
 @torch.no_grad()
@@ -59,6 +60,9 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, RunCheckpoint):
                 cb.consider_final_validation(trainer)
+    if is_sharded(lit.model):  # FSDP: what rank 0 measures alone below needs the whole model (all ranks gather)
+        unshard_for_rank_zero(lit)
+    model = lit.model
     infer_dtype = precision_dtype(run.trainer.precision) if "true" in run.trainer.precision else torch.float32
     metrics.update({k: float(v) for k, v in final.items()})
     metrics.update(throughput.last)

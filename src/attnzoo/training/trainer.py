@@ -16,6 +16,7 @@ from attnzoo.data.sampling import DataPositionCallback
 from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
 from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 from attnzoo.training.console import RunHeader, RunProgressBar, quiet_lightning
+from attnzoo.training.fsdp import FSDPStrategy
 from attnzoo.training.csv_logger import ResumableCSVLogger, RowBeforeCheckpoint, RunTensorBoardLogger
 from attnzoo.training.summary import describe_model
 from attnzoo.training.wandb_logger import make_wandb_logger  # imports wandb only when a run asks for it
@@ -101,6 +102,8 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         callbacks.append(RunProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
     quiet_lightning()
     trainer_kwargs = run.trainer.lightning_kwargs()
+    if trainer_kwargs["strategy"] == "fsdp":  # FSDP2 (training/fsdp.py); the module shards itself in configure_model
+        trainer_kwargs["strategy"] = FSDPStrategy(run.trainer.fsdp)
     trainer = L.Trainer(**trainer_kwargs, logger=loggers or False, callbacks=callbacks, default_root_dir=str(out),
                         plugins=[AtomicCheckpointIO()], use_distributed_sampler=False,  # our sampler shards
                         enable_model_summary=False)
