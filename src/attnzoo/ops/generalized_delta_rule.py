@@ -78,7 +78,8 @@ def chunk_generalized_delta_rule(
 
     Every exponent is a difference G_r - G_s (s <= r), G_{r-1} - G_s (s < r), G_C - G_s, G_r or G_{r-1}, all <= 0
     (the other triangle masked to -inf before the exp), so strong decays underflow to 0 and never overflow. The four
-    score matrices need one decay per key channel: a (C, C, Dk) tensor per chunk (short chunks; gla's form). All but
+    score matrices share one (C, C, Dk) decay tensor per chunk (a decay per key channel: short chunks, gla's form;
+    the strict ones read its row r - 1). All but
     the chunk-to-chunk hand-over run for all chunks at once; the hand-over is affine in S, one
     (Dk x Dk) @ (Dk x Dv) product per chunk."""
     B, H, T, Dk = k.shape
@@ -94,13 +95,18 @@ def chunk_generalized_delta_rule(
     G = g.cumsum(-2)  # (B, H, N, C, Dk): log-decay from the chunk start through r
     Gx = F.pad(G[..., :-1, :], (0, 0, 1, 0))  # ... through r - 1 (exclusive, exactly 0 at the chunk start)
 
-    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    d_incl = decay_exp(G[..., :, None, :] - G[..., None, :, :], causal[..., None])  # (C_r, C_s, Dk), s <= r
-    d_strict = decay_exp(Gx[..., :, None, :] - G[..., None, :, :], causal.tril(-1)[..., None])  # s < r
-    # the four score matrices A[r, s, :] = sum_d left_rd D_rsd [k | b]_sd: per key position s one (C_r, Dk) @ (Dk, 2)
-    kb = torch.stack([k, b], dim=-1)  # (B, H, N, C_s, Dk, 2)
-    A_qk, A_qb = ((q[..., :, None, :] * d_incl).transpose(-3, -2) @ kb).transpose(-3, -2).unbind(-1)
-    A_ak, A_ab = ((a[..., :, None, :] * d_strict).transpose(-3, -2) @ kb).transpose(-3, -2).unbind(-1)
+    # one decay tensor serves all four score matrices, laid out (s, r, d) so that each key position s is one matmul's
+    # batch: E[s, r] = e^{G_r - G_s} (s <= r). The strict ones, e^{G_{r-1} - G_s} (s < r), are its row r - 1: read by
+    # a shifted one token up, their rows shifted back down (row 0 empty)
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).triu()  # [s, r]: s <= r
+    E = decay_exp(G[..., None, :, :] - G[..., :, None, :], causal[..., None])  # (B, H, N, C_s, C_r, Dk)
+    a_next = F.pad(a[..., 1:, :], (0, 0, 0, 1))  # a_{r+1} at r (zero past the chunk end)
+    left = torch.stack([q, a_next], dim=-3)  # (B, H, N, 2, C_r, Dk)
+    X = (left[..., None, :, :, :] * E[..., :, None, :, :]).flatten(-3, -2)  # (B, H, N, C_s, 2 C_r, Dk)
+    # A[s, r, :] = sum_d left_rd E_srd [k | b]_sd: per key position s one (2 C, Dk) @ (Dk, 2)
+    scores = (X @ torch.stack([k, b], dim=-1)).unflatten(-2, (2, C)).transpose(-4, -2)  # (.., C_r, 2, C_s, 2)
+    A_qk, A_qb = scores[..., 0, :, 0], scores[..., 0, :, 1]  # (B, H, N, C_r, C_s)
+    A_ak, A_ab = (F.pad(scores[..., :-1, 1, :, j], (0, 0, 1, 0)) for j in (0, 1))
 
     # the UT transform: (I - A_ab) [U | W] = [A_ak V | a e^{G_{r-1}}] (A_ab strictly lower)
     UW = solve_unit_lower(-A_ab, torch.cat([A_ak @ v, a * decay_exp(Gx)], dim=-1))
