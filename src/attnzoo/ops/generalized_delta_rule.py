@@ -79,9 +79,8 @@ def chunk_generalized_delta_rule(
     Every exponent is a difference G_r - G_s (s <= r), G_{r-1} - G_s (s < r), G_C - G_s, G_r or G_{r-1}, all <= 0
     (the other triangle masked to -inf before the exp), so strong decays underflow to 0 and never overflow. The four
     score matrices share one (C, C, Dk) decay tensor per chunk (a decay per key channel: short chunks, gla's form;
-    the strict ones read its row r - 1). All but
-    the chunk-to-chunk hand-over run for all chunks at once; the hand-over is affine in S, one
-    (Dk x Dk) @ (Dk x Dv) product per chunk."""
+    the strict ones read its row r - 1). All but the chunk-to-chunk hand-over run for all chunks at once; the
+    hand-over is affine in S, one (Dk x Dk) @ (Dk x Dv) product per chunk."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     scale = Dk**-0.5 if scale is None else scale
