@@ -12,6 +12,7 @@ from attnzoo.config.schema import resolve_model, tagged
 from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.interop.hf.archs import _no, arch_for
 from attnzoo.interop.hf.convert import check_export_dir, export_model
+from attnzoo.distributed.fsdp import is_sharded_checkpoint
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 
@@ -22,8 +23,9 @@ from attnzoo.training.families import family_of
 def load_run_model(run: str | Path, best: bool = False):
     """(DecoderLM in eval mode, its tokenizer or None, the run config) from a run dir or a .ckpt."""
     p = Path(run).expanduser()
-    ckpt = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt") if p.is_dir() else p
-    if not ckpt.is_file():
+    run_dir = p.is_dir() and not is_sharded_checkpoint(p)  # a sharded checkpoint (trainer=fsdp) is a folder too
+    ckpt = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt") if run_dir else p
+    if not ckpt.exists():
         raise ConfigError(f"{ckpt} does not exist; allowed: a run dir with checkpoints/{ckpt.name}, or a .ckpt file",
                           field="RUN_DIR")
     state = check_checkpoint(ckpt, field="RUN_DIR")

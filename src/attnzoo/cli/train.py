@@ -63,7 +63,7 @@ def _run_job(cfg: DictConfig) -> float | None:
         if _previous_status(out) == "ok":
             print(f"attnzoo: {out} finished earlier; skipped", flush=True)
             return json.loads((out / "summary.json").read_text())["metrics"].get(target)
-        if cfg.get("ckpt_path") is None and (out / "checkpoints" / "last.ckpt").is_file():
+        if cfg.get("ckpt_path") is None and (out / "checkpoints" / "last.ckpt").exists():
             with open_dict(cfg):
                 cfg.ckpt_path = "last"
             print(f"attnzoo: resuming {out} from its last.ckpt", flush=True)
@@ -140,7 +140,7 @@ def resume_argv(argv: list[str]) -> list[str]:
     saved = run_dir / ".hydra" / "overrides.yaml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no .hydra/overrides.yaml)", field="--resume")
-    if not (run_dir / "checkpoints" / "last.ckpt").is_file():
+    if not (run_dir / "checkpoints" / "last.ckpt").exists():  # a file, or a sharded folder (trainer=fsdp)
         raise ConfigError(f"{run_dir} has no checkpoints/last.ckpt to resume from", field="--resume")
     own = [o for o in (OmegaConf.load(saved) or []) if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
     if any(str(o).startswith("+sweeps=") for o in own):  # a sweep job: its sweep file must be found again

@@ -40,6 +40,7 @@ from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks
 from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
 from attnzoo.models.decoder import sample_next
+from attnzoo.distributed.fsdp import is_sharded_checkpoint
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 
@@ -68,9 +69,9 @@ class LoadedRun:
 
 def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
     p = Path(path).expanduser()
-    if p.is_dir():
+    if p.is_dir() and not is_sharded_checkpoint(p):  # a run dir (a sharded checkpoint, trainer=fsdp, is a folder too)
         ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
-        if not ck.is_file():
+        if not ck.exists():
             raise ConfigError(f"{p} has no checkpoints/{ck.name}; allowed: a run dir with one, or a .ckpt file",
                               field="checkpoint")
         return ck

@@ -41,7 +41,7 @@ def resolve_ckpt(ckpt_path: str | None, out: Path) -> tuple[str | None, dict | N
             raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
     else:
         p = Path(ckpt_path).expanduser()
-    return str(p), check_checkpoint(p)
+    return str(p), check_checkpoint(p, weights=False)
 
 
 def prepare_data(parts: dict, container: dict):

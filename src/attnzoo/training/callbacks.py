@@ -219,9 +219,11 @@ class RunCheckpoint(ModelCheckpoint):
         replaced best.ckpt since; best.ckpt's own record of the best is then the current one."""
         super().load_state_dict(state_dict)
         path = self.best_model_path
-        if self.monitor and path and os.path.isfile(path) and self.dirpath == state_dict.get("dirpath"):
+        if self.monitor and path and os.path.exists(path) and self.dirpath == state_dict.get("dirpath"):
+            # a sharded checkpoint (trainer=fsdp) keeps its callbacks in the folder's meta.pt
+            meta = os.path.join(path, "meta.pt") if os.path.isdir(path) else path
             try:
-                own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["callbacks"][self.state_key]
+                own = torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["callbacks"][self.state_key]
             except (OSError, RuntimeError, KeyError, ValueError):
                 return  # unreadable: keep the record from the resumed checkpoint
             if own.get("best_model_path") == path:

@@ -13,6 +13,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import follow_umask
+from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -39,6 +40,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
+        if is_sharded_checkpoint(path):  # an FSDP run's folder, resumed without FSDP: consolidated in memory
+            return load_sharded(path)
         # our checkpoints hold tensors, numbers, strings and dicts only: safe to load weights_only
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
@@ -56,12 +59,22 @@ def flatten(d: Any, prefix: str = "") -> dict:
     return out
 
 
-def check_checkpoint(path: str | Path, field: str = "ckpt_path") -> dict:
+def check_checkpoint(path: str | Path, field: str = "ckpt_path", weights: bool = True) -> dict:
     """Fail with one line if `path` is not a complete, loadable checkpoint (before any work); return it
-    (memory-mapped: reading `hyper_parameters` or `global_step` does not load the weights)."""
+    (memory-mapped: reading `hyper_parameters` or `global_step` does not load the weights). A sharded checkpoint
+    folder (trainer=fsdp, training/fsdp.py) is consolidated in memory, or with `weights=False` read without its
+    tensors (its meta.pt: step, callbacks, hyper-parameters)."""
     p = Path(path)
+    if is_sharded_checkpoint(p):
+        state = load_sharded(p) if weights else torch.load(p / META, map_location="cpu", weights_only=True)
+        if "global_step" not in state:
+            raise ConfigError(f"{path} is not a training checkpoint (missing global_step)", field=field)
+        return state
     if p.is_dir():
-        raise ConfigError(f"{path} is a directory; allowed: a .ckpt file, or `last` with hydra.run.dir=<run dir>", field=field)
+        what = "a sharded checkpoint whose save did not finish (no .metadata / meta.pt)" if (p / META).exists() or \
+            any(p.glob("*.distcp")) else "a directory"
+        raise ConfigError(f"{path} is {what}; allowed: a .ckpt file, a complete sharded checkpoint folder, or `last` "
+                          f"with hydra.run.dir=<run dir>", field=field)
     if not p.is_file():
         raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
     if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
@@ -90,6 +103,15 @@ def _model_defaults() -> dict:
     return {k: v for k, v in flatten({"model": dataclasses.asdict(ModelConfig())}).items() if v is not None}
 
 
+def global_batch(cfg: dict) -> int | None:
+    """data.batch_size x processes (trainer.devices x num_nodes), None when devices is not a plain count."""
+    t, bs = cfg.get("trainer") or {}, (cfg.get("data") or {}).get("batch_size")
+    devices = t.get("devices", 1)
+    if bs is None or not str(devices).isdigit():
+        return None
+    return int(bs) * int(devices) * int(t.get("num_nodes", 1) or 1)
+
+
 def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path) -> None:
     """Refuse, in one line naming the differing fields, to resume a checkpoint under a model or data
     config other than the one it was trained with (weights of another shape fail to load; a silent
@@ -103,6 +125,8 @@ def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path)
     absent = lambda k, d: k not in d and k in defaults  # noqa: E731
     diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
             and not (absent(k, old) and new.get(k) == defaults[k]) and not (absent(k, new) and old.get(k) == defaults[k])]
+    if "data.batch_size" in diff and global_batch(saved_cfg) == global_batch(cfg) is not None:
+        diff.remove("data.batch_size")  # another world size, the same global batch: the same steps (resharding)
     diff.sort(key=lambda k: not k.endswith(".name"))  # a swapped part (mixer, ffn, ...) first, then its fields
     if diff:
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff[:6])

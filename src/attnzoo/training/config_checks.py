@@ -18,7 +18,7 @@ from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
-from attnzoo.training.launch import requested_devices
+from attnzoo.training.launch import is_data_parallel, launched_externally, requested_devices
 
 
 def _check_trainer(t: TrainerConfig) -> None:
@@ -46,6 +46,37 @@ def check_devices_present(t: TrainerConfig) -> None:
         check(torch.cuda.is_available(), "trainer.accelerator",
               f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu "
               f"(trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes)")
+        fsdp_bf16 = str(t.strategy) == "fsdp" and "bf16" in (t.fsdp.param_dtype, t.fsdp.reduce_dtype)
+        check(not fsdp_bf16 or torch.cuda.is_bf16_supported(), "trainer.fsdp.param_dtype",
+              f"bf16 on {torch.cuda.get_device_name()}, which has no bf16; allowed: fp16 or null")
+
+
+FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")  # Lightning's ModelParallelStrategy (16-true: no)
+
+
+def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
+    """trainer.strategy=fsdp (training/fsdp.py): its options, a decoder LM, precisions Lightning's FSDP2 strategy runs,
+    one mixed-precision mechanism, host offload for GPU runs only, every node's processes started by a launcher."""
+    strategy = str(t.strategy or "auto")
+    check(t.num_nodes == 1 or launched_externally(), "trainer.num_nodes",
+          f"{t.num_nodes} nodes need one launch per node (torchrun --nnodes {t.num_nodes} or srun; docs/distributed.md)"
+          f"; allowed here: 1")
+    if strategy != "fsdp":
+        return
+    f = t.fsdp
+    for key in ("param_dtype", "reduce_dtype"):
+        check(getattr(f, key) in (None, "bf16", "fp16", "fp32"), f"trainer.fsdp.{key}",
+              f"got {getattr(f, key)!r}; allowed: null (the parameters' own dtype), bf16, fp16, fp32")
+    check(family_of(model).name == "decoder", "trainer.strategy",
+          f"fsdp shards decoder LMs (block by block); allowed with model={model.name}: ddp (trainer=ddp_cpu / ddp)")
+    check(str(t.precision) in FSDP_PRECISIONS, "trainer.precision",
+          f"{t.precision} does not run under FSDP (Lightning's ModelParallelStrategy); allowed: "
+          f"{', '.join(FSDP_PRECISIONS)}")
+    check(not (f.param_dtype and "mixed" in str(t.precision)), "trainer.fsdp.param_dtype",
+          f"{f.param_dtype} with trainer.precision={t.precision}: two mixed-precision mechanisms; allowed: null "
+          f"(autocast does it), or trainer.precision=32-true")
+    check(not (f.cpu_offload and t.accelerator == "cpu"), "trainer.fsdp.cpu_offload",
+          "true on a CPU run (the parameters are in host memory already); allowed: false")
 
 
 def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
@@ -133,8 +164,9 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     check_choice(t.context_parallel_layout, "trainer.context_parallel_layout", LAYOUTS)
     if cp == 1:
         return
-    check(str(t.strategy).startswith("ddp"), "trainer.context_parallel",
-          f"{cp} needs {cp} processes per sequence; allowed with strategy={t.strategy}: 1 (use trainer=ddp_cpu / ddp)")
+    check(is_data_parallel(str(t.strategy)), "trainer.context_parallel",
+          f"{cp} needs {cp} processes per sequence; allowed with strategy={t.strategy}: 1 (use trainer=ddp_cpu / ddp "
+          f"/ fsdp_cpu / fsdp)")
     d = t.devices
     if str(d).isdigit() or isinstance(d, (list, tuple)):
         world = (int(d) if str(d).isdigit() else len(d)) * t.num_nodes
@@ -307,6 +339,7 @@ def validate(cfg: DictConfig) -> dict:
         run.trainer.precision, "trainer.precision", ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
     )
     check_choice(run.trainer.accelerator, "trainer.accelerator", ("cpu", "gpu", "cuda", "auto", "mps"))
+    _check_fsdp(run.trainer, model)
     if logger_node is not None and not isinstance(logger_node, dict):
         raise ConfigError("expected a mapping", field="logger")
     for name in (logger_node or {}):

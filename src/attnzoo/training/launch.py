@@ -43,6 +43,17 @@ def launched_externally() -> bool:
     return int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
 
 
+def global_rank() -> int:
+    """This process's global rank under a distributed launch (attnzoo's workers and torchrun: RANK; srun with several
+    tasks: SLURM_PROCID), 0 otherwise."""
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
 def on_gpus(trainer_cfg) -> bool:
     import torch
 

@@ -18,7 +18,8 @@ from attnzoo.config.schema import OptimConfig, SchedulerConfig, resolve_model
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.cross_entropy import chunked_cross_entropy
 from attnzoo.ops.packing import Documents
-from attnzoo.training.fsdp import FSDPStrategy, is_sharded, shard_model
+from attnzoo.distributed.fsdp import is_sharded, shard_model
+from attnzoo.training.fsdp import FSDPStrategy
 
 log = logging.getLogger("attnzoo")
 # validation metrics are reduced exactly (token-weighted all_gather) in on_validation_epoch_end

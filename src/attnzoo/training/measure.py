@@ -12,7 +12,8 @@ from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths
 from attnzoo.mixers.kv_quant import KVFormat
 from attnzoo.models.flops import precision_dtype
 from attnzoo.training.callbacks import RunCheckpoint
-from attnzoo.training.fsdp import is_sharded, unshard_for_rank_zero
+from attnzoo.distributed.fsdp import is_sharded
+from attnzoo.training.fsdp import unshard_for_rank_zero
 
 
 @torch.no_grad()

@@ -55,9 +55,11 @@ def record_workers(out: Path, pids: list[int]) -> None:
 
 @contextlib.contextmanager
 def run_dir_lock(out: Path):
-    from attnzoo.training.launch import WORKER_ENV
+    from attnzoo.training.launch import WORKER_ENV, global_rank, launched_externally
 
-    if os.environ.get(WORKER_ENV):
+    # attnzoo's own workers run under their launcher's lock; under torchrun / srun, global rank 0 holds it for all
+    # ranks (the others, possibly on other hosts, would see a live lock, or a foreign host's lock as stale)
+    if os.environ.get(WORKER_ENV) or (launched_externally() and global_rank() != 0):
         yield
         return
     out.mkdir(parents=True, exist_ok=True)

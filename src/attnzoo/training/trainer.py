@@ -17,13 +17,16 @@ from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, Thro
 from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 from attnzoo.training.console import RunHeader, RunProgressBar, quiet_lightning
 from attnzoo.training.fsdp import FSDPStrategy
+from attnzoo.training.launch import global_rank
 from attnzoo.training.csv_logger import ResumableCSVLogger, RowBeforeCheckpoint, RunTensorBoardLogger
 from attnzoo.training.summary import describe_model
 from attnzoo.training.wandb_logger import make_wandb_logger  # imports wandb only when a run asks for it
 
 
 def is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    """Global rank 0 of this job (or no distributed launch at all): attnzoo's launcher and torchrun set RANK,
+    srun sets SLURM_PROCID (a multi-task step)."""
+    return global_rank() == 0
 
 
 def run_label(max_len: int = 120) -> str:

@@ -1,0 +1,196 @@
+"""trainer=fsdp (FSDP2, attnzoo/training/fsdp.py, attnzoo/distributed/fsdp.py): the same training as DDP and as one
+process, sharded checkpoints that resume exactly, onto another world size (resharding) and without FSDP, that
+every reader of checkpoints accepts directly or after `attnzoo-ckpt consolidate`, and saves that are atomic.
+
+Tolerances. The model-level check (bench/fsdp.run_check) runs in float64: 1e-10, or 10x the gap that changing only
+the order of the sums makes in one process (one process on the whole batch vs accumulating the ranks' row splits)
+where a part computes in fp32 (the MoE router). End to end (fp32; Lightning's FSDP2 strategy has no 64-true), the
+one-process run's own fp32-vs-fp64 gap per step (conftest.gap_atol), measured on the same config."""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo.bench.fsdp import CASES, run_check
+from attnzoo.config.errors import ConfigError
+from attnzoo.distributed.fsdp import indexed_optimizer_state, is_sharded_checkpoint
+from attnzoo.inference.generate import load
+from attnzoo.training.checkpoint_io import check_checkpoint
+from attnzoo.training.config_checks import validate
+from attnzoo.training.fsdp import publish
+from attnzoo.training.run import train
+from tests.conftest import SMALL_TEXT, compose_cfg, gap_atol
+
+# constant LR after warmup (a run stopped at step 4 and resumed to 8 follows the schedule of one run to 8); the global
+# batch is 8 rows: 8 on one process, 4 per rank on two, 2 per rank on four
+BASE = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "optim.lr=3e-3", "scheduler=constant",
+        "perf.measure_decode=false", "sample.max_new_tokens=0", "trainer.val_check_interval=4",
+        "callbacks.checkpoint_every_n_steps=4", "callbacks.save_best=false", "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1", "logger=csv"]
+ONE, TWO, FOUR = ["data.batch_size=8"], ["trainer=fsdp_cpu", "data.batch_size=4"], \
+    ["trainer=fsdp_cpu", "trainer.devices=4", "data.batch_size=2"]
+
+
+def losses(run_dir: Path) -> torch.Tensor:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(rows) == list(range(8)), sorted(rows)
+    return torch.tensor([rows[s] for s in range(8)], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: 8 steps in one process, fp32 and fp64 (their per-step gap sizes the fp32 tolerance)."""
+    root = tmp_path_factory.mktemp("one")
+    train(compose_cfg(BASE + ONE + ["trainer.max_steps=8"], root / "fp32"))
+    train(compose_cfg(BASE + ONE + ["trainer.max_steps=8", "trainer.precision=64-true"], root / "fp64"))
+    out32, out64 = losses(root / "fp32"), losses(root / "fp64")
+    return out32, gap_atol(out32, out64)
+
+
+# ----------------------------------------------------------------------------- model level, float64
+@pytest.mark.slow  # 4 worker processes (~20-35 s on 2 busy cores)
+def test_fsdp_and_ddp_on_four_processes_train_as_one_process():
+    """gqa, mla, gated_deltanet, a hybrid and a MoE (aux-loss-free bias): 3 AdamW steps sharded over 4 ranks (and
+    under DDP) give the one-process losses and parameters (float64)."""
+    rows = run_check(4, steps=3)
+    assert [r["case"] for r in rows] == list(CASES)
+    for r in rows:
+        for key in ("fsdp loss err", "fsdp param err", "ddp loss err", "ddp param err"):
+            assert r[key] <= r["tolerance"], (r["case"], key, r[key], r["tolerance"])
+        assert r["tolerance"] <= 1e-6, r  # only fp32 rounding inside the float64 model may widen it
+    moe = next(r for r in rows if r["case"].startswith("moe"))
+    assert moe["bias moved"] > 0  # the aux-loss-free bias was updated (from the load summed over the ranks)
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process):
+    ref, atol = one_process
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], tmp_path / "fsdp"))
+    train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8"], tmp_path / "ddp"))
+    fsdp, ddp = losses(tmp_path / "fsdp"), losses(tmp_path / "ddp")
+    torch.testing.assert_close(fsdp, ref, atol=atol, rtol=0)
+    torch.testing.assert_close(ddp, ref, atol=atol, rtol=0)
+    torch.testing.assert_close(fsdp, ddp, atol=atol, rtol=0)
+    ckpt = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_symlink() and is_sharded_checkpoint(ckpt)
+    assert {p.name for p in ckpt.resolve().iterdir()} >= {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
+    # one folder per link: the step-4 checkpoint was deleted once the step-8 one was in place
+    assert [p.name for p in ckpt.parent.iterdir() if p.is_dir() and not p.is_symlink()] == [ckpt.resolve().name]
+    summary = (tmp_path / "fsdp" / "summary.json").read_text()
+    assert '"status": "ok"' in summary
+
+
+def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_path):
+    """Stopped at step 4 and resumed to 8 on the same 2 ranks: every train/loss row equals the uninterrupted run's;
+    attnzoo.load, attnzoo-ckpt consolidate and the consolidated file give the same model."""
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], tmp_path / "ref"))
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=4"], tmp_path / "split"))
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "split"))
+    assert torch.equal(losses(tmp_path / "split"), losses(tmp_path / "ref"))
+    sharded = tmp_path / "split" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "model.ckpt"
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.ckpt", "consolidate", str(sharded), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    a, b = load(tmp_path / "split"), load(out)
+    assert a.global_step == b.global_step == 8
+    for (k, v), (k2, v2) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    ref = load(tmp_path / "ref").model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in a.model.state_dict().items())
+    # the consolidated optimizer state is torch.optim's: indices over the param groups, both AdamW moments
+    opt = torch.load(out, weights_only=True)["optimizer_states"][0]
+    n = sum(len(g["params"]) for g in opt["param_groups"])
+    assert sorted(opt["state"]) == list(range(n)) and {"exp_avg", "exp_avg_sq"} <= set(opt["state"][0])
+
+
+def _reshard(tmp_path, first: list, then: list, one_process) -> None:
+    ref, atol = one_process
+    train(compose_cfg(BASE + first + ["trainer.max_steps=4"], tmp_path / "run"))
+    train(compose_cfg(BASE + then + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "run"))
+    torch.testing.assert_close(losses(tmp_path / "run"), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.slow  # 4 worker processes
+def test_resume_onto_another_world_size_reshards(tmp_path, one_process):
+    """2 -> 4 processes (the same global batch: data.batch_size 4 -> 2 is accepted), then the curve of one process."""
+    _reshard(tmp_path, TWO, FOUR, one_process)
+
+
+@pytest.mark.slow  # 4 worker processes
+def test_resume_from_four_processes_onto_two_and_onto_ddp(tmp_path, one_process):
+    """4 -> 2 processes; and the same sharded step-4 checkpoint resumed by DDP (consolidated in memory)."""
+    ref, atol = one_process
+    train(compose_cfg(BASE + FOUR + ["trainer.max_steps=4"], tmp_path / "run"))
+    shutil.copytree(tmp_path / "run", tmp_path / "ddp", symlinks=True)
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "run"))
+    torch.testing.assert_close(losses(tmp_path / "run"), ref, atol=atol, rtol=0)
+    train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8", "ckpt_path=last"],
+                      tmp_path / "ddp"))
+    torch.testing.assert_close(losses(tmp_path / "ddp"), ref, atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+def test_a_killed_save_leaves_the_previous_checkpoint_in_place(tmp_path):
+    """publish() swaps the link only once a folder is complete; a save killed before that leaves `<name>.tmp`
+    folders, which the next publish deletes; the link never points at an incomplete folder."""
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+
+    def folder(name: str) -> Path:
+        f = ck / name
+        f.mkdir()
+        (f / "meta.pt").write_bytes(b"x")
+        (f / ".metadata").write_bytes(b"x")
+        return f
+
+    link = ck / "last.ckpt"
+    publish(folder("last.ckpt.shards-0000004-a"), link)
+    (ck / "last.ckpt.shards-0000008-b.tmp").mkdir()  # a save killed while its ranks wrote
+    assert os.readlink(link) == "last.ckpt.shards-0000004-a" and is_sharded_checkpoint(link)
+    publish(folder("last.ckpt.shards-0000012-c"), link)
+    assert os.readlink(link) == "last.ckpt.shards-0000012-c"
+    assert sorted(p.name for p in ck.iterdir()) == ["last.ckpt", "last.ckpt.shards-0000012-c"]
+
+
+def test_an_incomplete_sharded_folder_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "last.ckpt.shards-0000004-a.tmp"
+    bad.mkdir()
+    (bad / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"ckpt_path: .* is a sharded checkpoint whose save did not finish"):
+        check_checkpoint(bad)
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.ckpt", "consolidate", str(bad), str(tmp_path / "x.ckpt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a complete sharded checkpoint" in r.stderr
+
+
+def test_named_optimizer_state_becomes_torch_optims_indexed_form():
+    named = {"state": {"a.w": {"step": torch.tensor(1.0)}, "b.w": {"step": torch.tensor(2.0)}},
+             "param_groups": [{"lr": 1.0, "params": ["b.w"]}, {"lr": 2.0, "params": ["a.w", "c.w"]}]}
+    out = indexed_optimizer_state(named)
+    assert [g["params"] for g in out["param_groups"]] == [[0], [1, 2]]
+    assert float(out["state"][0]["step"]) == 2.0 and float(out["state"][1]["step"]) == 1.0 and 2 not in out["state"]
+    assert out["param_groups"][1]["lr"] == 2.0
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("overrides, match", [
+    (["trainer.precision=64-true"], r"trainer.precision: 64-true does not run under FSDP .*allowed: 32-true"),
+    (["trainer.fsdp.cpu_offload=true"], r"trainer.fsdp.cpu_offload: true on a CPU run .*allowed: false"),
+    (["trainer.fsdp.param_dtype=bf16", "trainer.precision=bf16-mixed"], r"two mixed-precision mechanisms"),
+    (["trainer.fsdp.reduce_dtype=int8"], r"trainer.fsdp.reduce_dtype: got 'int8'; allowed: null .*bf16, fp16, fp32"),
+    (["trainer.context_parallel=3"], r"trainer.context_parallel: 3 does not divide the 2 processes"),
+    (["trainer.num_nodes=2"], r"trainer.num_nodes: 2 nodes need one launch per node .*allowed here: 1"),
+    (["model=encdec", "data=reversal"], r"trainer.strategy: fsdp shards decoder LMs .*allowed with model=encdec: ddp"),
+])
+def test_fsdp_refusals(overrides, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(["debug=smoke", "trainer=fsdp_cpu", *overrides], tmp_path / "run"))
