@@ -16,7 +16,7 @@ from attnzoo.config.schema import ConfigError
 from attnzoo.training.config_checks import validate
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
 from attnzoo.analysis.report import build_report
-from attnzoo.cli.sweep import available
+from attnzoo.cli.sweep import available, smoke_overlay
 from attnzoo.cli.sweep import main as sweep_main
 from tests.conftest import SESSION_CACHE, SMALL_TEXT
 from tests.shards_fixture import text_corpus
@@ -39,8 +39,8 @@ def compose_sweep(name: str, overrides=()):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose("train", overrides=[f"hydra.searchpath=[file://{sweeps_dir().parent}]", f"+sweeps={name}",
-                                               f"paths.cache_dir={SESSION_CACHE}", "paths.output_dir=/tmp/unused",
-                                               *extra, *overrides], return_hydra_config=True)
+                                               *smoke_overlay(name, list(overrides)), f"paths.cache_dir={SESSION_CACHE}",
+                                               "paths.output_dir=/tmp/unused", *extra, *overrides], return_hydra_config=True)
 
     cfg = composed([])
     # a sweep on a prepared corpus (data=shards) names its data.path on the command line: the tests give a tiny one

@@ -15,6 +15,11 @@ directory (error.txt, summary.json status "failed") and the sweep goes on; the s
 started (worker processes, their resource trackers, the jobs' DDP workers) and exits 143 / 130.
 Rerun with the same `hydra.sweep.dir` to skip finished jobs and resume interrupted ones from their last.ckpt.
 Afterwards: `attnzoo-report <the sweep dir>`.
+
+`debug=smoke` shrinks a sweep's experiment; a sweep whose grid itself must shrink (a budget sweep: its budgets and
+sizes are grid values, which debug=smoke cannot reach) also ships `sweeps/smoke/NAME.yaml`, composed after the
+sweep file under debug=smoke (`+sweeps/smoke=NAME`): its values and its `hydra.sweeper.params` replace the sweep
+file's (grid keys given on the command line still win).
 """
 from __future__ import annotations
 
@@ -44,7 +49,14 @@ def hydra_argv(name: str, overrides: list[str]) -> list[str]:
     root = sweeps_dir().parent
     launcher = [] if any(o.startswith(("hydra/launcher=", "hydra.launcher.")) for o in overrides) else [
         "hydra/launcher=parallel", f"hydra.launcher.n_jobs={PARALLEL_JOBS}"]
-    return ["-m", f"hydra.searchpath=[file://{root}]", f"+{sweeps_dir().name}={name}", *launcher, *overrides]
+    return ["-m", f"hydra.searchpath=[file://{root}]", f"+{sweeps_dir().name}={name}", *smoke_overlay(name, overrides),
+            *launcher, *overrides]
+
+
+def smoke_overlay(name: str, overrides: list[str]) -> list[str]:
+    """`+sweeps/smoke=NAME` when the overrides ask for debug=smoke and the sweep ships sweeps/smoke/NAME.yaml."""
+    smoke = "debug=smoke" in overrides and (sweeps_dir() / "smoke" / f"{name}.yaml").is_file()
+    return [f"+{sweeps_dir().name}/smoke={name}"] if smoke else []
 
 
 # jobs side by side on a local sweep: two (each on half the cores), or one on a single-core machine
