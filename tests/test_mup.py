@@ -14,6 +14,7 @@ from attnzoo.bench.cli import main as bench_main
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.schema import resolve_model
+from attnzoo.interop.hf.archs import arch_for
 from attnzoo.models import mup
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.training.lit_lm import LitLM, param_groups
@@ -227,6 +228,12 @@ def test_refusals_name_the_field(model, field):
     with pytest.raises(ConfigError) as e:
         resolve_model(tiny_model_cfg(**model))
     assert str(e.value).startswith(f"{field}: ") and "\n" not in str(e.value)
+
+
+def test_mup_model_is_not_exported():
+    """A transformers architecture has neither µP's readout multiplier nor its attention scale: export refuses."""
+    with pytest.raises(ConfigError, match=r"^model.parametrization: mup \(µP's readout multiplier"):
+        arch_for(build(d_model=64, parametrization="mup", mup_base_width=32))
 
 
 def test_mup_run_trains(tmp_path):

@@ -165,6 +165,8 @@ def arch_for(model) -> Arch:
         raise _no("model.norm_position", f"{cfg.norm_position}-norm blocks (transformers' decoders are pre-norm)")
     if cfg.norm.name != "rmsnorm":
         raise _no("model.norm.name", f"{cfg.norm.name} (the exported architectures use RMSNorm)")
+    if cfg.parametrization != "standard":  # models/mup.py: a logit multiplier, q.k / d
+        raise _no("model.parametrization", f"{cfg.parametrization} (µP's readout multiplier and attention scale)")
     kinds = [m.name for m in model.layer_mixers]
     layers = {_hf_layer(m) for m in model.layer_mixers}
     # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
