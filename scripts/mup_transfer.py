@@ -39,10 +39,12 @@ def tables(losses: dict) -> str:
     widths = sorted({w for p in PARAMETRIZATIONS for w in losses[p]})
     lrs = sorted({lr for p in PARAMETRIZATIONS for w in losses[p] for lr in losses[p][w]})
     lines = ["| width | " + " | ".join(f"best lr ({p})" for p in PARAMETRIZATIONS) + " | " +
-             " | ".join(f"val/loss at it ({p})" for p in PARAMETRIZATIONS) + " |", "|---" * (1 + 2 * len(PARAMETRIZATIONS)) + "|"]
+             " | ".join(f"val/loss at it ({p})" for p in PARAMETRIZATIONS) + " |",
+             "|---" * (1 + 2 * len(PARAMETRIZATIONS)) + "|"]
     for w in widths:
         b = [best(losses[p][w]) for p in PARAMETRIZATIONS]
-        lines.append(f"| {w} | " + " | ".join(f"{lr:g}" for lr, _ in b) + " | " + " | ".join(f"{v:.4f}" for _, v in b) + " |")
+        lines.append(f"| {w} | " + " | ".join(f"{lr:g}" for lr, _ in b) + " | " +
+                     " | ".join(f"{v:.4f}" for _, v in b) + " |")
     lines += ["", "| parametrization | width | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
               "|---" * (2 + len(lrs)) + "|"]
     for p in PARAMETRIZATIONS:

@@ -239,8 +239,8 @@ def test_mup_model_is_not_exported():
 def test_mup_run_trains(tmp_path):
     """attnzoo-train's path (Lightning, fused AdamW on µP's groups, the LR schedule) on the embedded corpus."""
     cfg = compose_cfg([*SMALL_TEXT, "debug=smoke", "model.d_model=64", "model.parametrization=mup",
-                       "model.mup_base_width=32", "optim.lr=1e-2", "trainer.max_steps=8", "trainer.val_check_interval=4",
-                       "perf.measure_decode=false"], tmp_path / "run")
+                       "model.mup_base_width=32", "optim.lr=1e-2", "trainer.max_steps=8",
+                       "trainer.val_check_interval=4", "perf.measure_decode=false"], tmp_path / "run")
     train(cfg)
     assert_learns(tmp_path / "run")
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())

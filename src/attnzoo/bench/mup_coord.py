@@ -104,7 +104,8 @@ def coord_check(widths: list[int], *, steps: int = 10, seeds: int = 3, lr: float
     batches = [next(loader) for _ in range(steps + 1)]
     container = OmegaConf.to_container(cfg, resolve=True)
     out: dict = {"widths": widths, "base_width": base, "steps": steps, "seeds": seeds, "lr": lr,
-                 "seq_len": seq_len, "batch_size": batch_size, "vocab_size": dm.vocab_size, "overrides": list(overrides),
+                 "seq_len": seq_len, "batch_size": batch_size, "vocab_size": dm.vocab_size,
+                 "overrides": list(overrides),
                  "model": {k: container["model"][k] for k in ("n_layers", "n_heads", "n_kv_heads", "init_std")} |
                  {"mixer": container["model"]["mixer"]["name"], "ffn": container["model"]["ffn"]["name"]}}
     for param in PARAMETRIZATIONS:
@@ -143,8 +144,8 @@ def plot(result: dict, path: Path) -> Path:
                         label=f"step {t}" if col == 0 and t in (0, 1, steps) else None)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{'µP' if param == 'mup' else 'standard'}: {k}\nexponent {min(exps[k]):+.2f}..{max(exps[k]):+.2f}",
-                         fontsize=9)
+            name = "µP" if param == "mup" else "standard"
+            ax.set_title(f"{name}: {k}\nexponent {min(exps[k]):+.2f}..{max(exps[k]):+.2f}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
             if row == 1:
                 ax.set_xlabel("width (d_model)")
