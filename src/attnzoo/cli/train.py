@@ -28,7 +28,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
 from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
+from attnzoo.training.launch import launched_externally
 from attnzoo.training.run import train
+from attnzoo.cli.worker import close_process_group
 
 
 def main() -> None:
@@ -76,6 +78,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         on_accept = None
     try:
         metrics = train(cfg, on_accept=on_accept)
+        if launched_externally():  # torchrun / srun ranks: leave the process group together (cli/worker.py)
+            close_process_group()
     except (ConfigError, FileNotFoundError) as e:
         if not multirun:
             if new_dir:

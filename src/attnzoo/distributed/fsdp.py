@@ -27,7 +27,8 @@ def shard_model(model: nn.Module, mesh, cfg) -> nn.Module:
     """`fully_shard` each block (`model.blocks`), then the root, with trainer.fsdp's mixed-precision and offload
     policies; in place (also returned). Parameter flags (`_no_weight_decay`, `_lr_scale`) carry over to the sharded
     parameters."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
     flags = {name: {f: getattr(p, f) for f in PARAM_FLAGS if hasattr(p, f)} for name, p in model.named_parameters()}
     param_dtype = DTYPES.get(cfg.param_dtype) if cfg.param_dtype else None
@@ -39,6 +40,8 @@ def shard_model(model: nn.Module, mesh, cfg) -> nn.Module:
         # the last block's weights are needed again first in backward: keeping them gathered saves one all-gather
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **kw)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    if hasattr(model, "hidden_states"):  # the chunked loss enters by hidden_states, not forward: the same hooks
+        register_fsdp_forward_method(model, "hidden_states")
     for name, p in model.named_parameters():
         for f, v in flags.get(name, {}).items():
             setattr(p, f, v)

@@ -419,7 +419,8 @@ class MoE(nn.Module):
 
     def active_params(self) -> int:
         """Parameters one token touches: the router, K experts, the shared experts and their gate."""
-        per_expert = (self.w_up[0].numel() + self.w_down[0].numel())
+        # from the shapes, not by indexing: under FSDP the weights are sharded DTensors and an index is a collective
+        per_expert = (self.w_up.numel() + self.w_down.numel()) // self.n_experts
         total = self.router.weight.numel() + self.top_k * per_expert
         for mod in (self.shared, self.shared_gate):
             if mod is not None:

@@ -139,6 +139,12 @@ class DecoderLM(nn.Module):
         token_mask: Optional[torch.Tensor] = None,
         documents: Optional[Documents] = None,
     ):
+        """The final (normed) hidden states (B, T, d_model): `forward` without the head (arguments as there). An entry
+        point of its own (the chunked loss starts here): FSDP registers it as a forward method (distributed/fsdp.py),
+        so `forward` calls `_hidden_states`, not this, and never enters the root's hooks twice."""
+        return self._hidden_states(idx, positions, cache, token_mask, documents)
+
+    def _hidden_states(self, idx, positions=None, cache=None, token_mask=None, documents=None):
         B, T = idx.shape
         if documents is not None:
             if cache is not None:
@@ -182,7 +188,7 @@ class DecoderLM(nn.Module):
 
         Refused (ValueError): `documents` together with a cache (decode one document per row). A position past
         `max_seq_len` with learned absolute positions is refused by the position table."""
-        return self.lm_head(self.hidden_states(idx, positions, cache, token_mask, documents))
+        return self.lm_head(self._hidden_states(idx, positions, cache, token_mask, documents))
 
     # ------------------------------------------------------------------ hooks for stateful parts (MoE)
     def aux_loss(self) -> Optional[torch.Tensor]:
