@@ -30,7 +30,10 @@ def load(sweep: Path) -> dict:
 
 
 def best(curve: dict) -> tuple[float, float]:
+    """(lr, val/loss) of the lowest finite loss; (nan, nan) for a width without one (not run yet, or all diverged)."""
     finite = {lr: v for lr, v in curve.items() if math.isfinite(v)}
+    if not finite:
+        return math.nan, math.nan
     lr = min(finite, key=finite.get)
     return lr, finite[lr]
 
@@ -42,13 +45,13 @@ def tables(losses: dict) -> str:
              " | ".join(f"val/loss at it ({p})" for p in PARAMETRIZATIONS) + " |",
              "|---" * (1 + 2 * len(PARAMETRIZATIONS)) + "|"]
     for w in widths:
-        b = [best(losses[p][w]) for p in PARAMETRIZATIONS]
+        b = [best(losses[p].get(w, {})) for p in PARAMETRIZATIONS]
         lines.append(f"| {w} | " + " | ".join(f"{lr:g}" for lr, _ in b) + " | " +
                      " | ".join(f"{v:.4f}" for _, v in b) + " |")
     lines += ["", "| parametrization | width | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
               "|---" * (2 + len(lrs)) + "|"]
     for p in PARAMETRIZATIONS:
-        for w in widths:
+        for w in sorted(losses[p]):
             cells = []
             for lr in lrs:
                 v = losses[p][w].get(lr)
@@ -74,6 +77,8 @@ def plot(losses: dict, path: Path) -> Path:
         for w, color in zip(widths, colors):
             curve = losses[p].get(w, {})
             lrs = sorted(lr for lr in curve if math.isfinite(curve[lr]))
+            if not lrs:
+                continue
             ax.plot(lrs, [curve[lr] for lr in lrs], marker="o", color=color, label=f"width {w}")
             b_lr, b_v = best(curve)
             ax.plot([b_lr], [b_v], marker="*", ms=14, color=color, markeredgecolor="black")
@@ -103,6 +108,7 @@ def main() -> None:
     out = args.out or args.sweep
     png = plot(losses, out / "mup_transfer.png")
     best_lr = {p: {w: best(c)[0] for w, c in sorted(losses[p].items())} for p in PARAMETRIZATIONS}
+    best_lr = {p: {w: lr for w, lr in b.items() if math.isfinite(lr)} for p, b in best_lr.items()}
     (out / "mup_transfer.json").write_text(json.dumps(
         {"val_loss": {p: {str(w): {str(lr): v for lr, v in sorted(c.items())} for w, c in sorted(losses[p].items())}
                       for p in PARAMETRIZATIONS},
