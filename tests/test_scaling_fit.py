@@ -156,3 +156,63 @@ def test_compute_multiplier_is_the_inverse_frontier_ratio():
     assert all(r.value == math.inf for r in rows if r.mixer == "floor")
     assert compute_multipliers({"x": fit_scaling([1, 2], [1, 1], [3, 3])}, "x") == []
     assert PowerLaw(2.0, 1.0, 0.5).inverse(2.0) == math.inf
+
+
+# ----------------------------------------------------------------------------- the report's scaling section
+
+
+def fabricated_sweep(root, laws: dict[str, float]):
+    """The files attnzoo-train writes for a budget sweep (no training): per mixer (its A on the synthetic law),
+    budget and ladder size, a job stopped by its FLOP budget; one more stopped by max_steps before its budget."""
+    import json
+
+    jobs = [(mixer, c, i, False) for mixer in laws for c in BUDGETS for i in range(len(LADDER))]
+    jobs.append(("gqa", BUDGETS[0], 0, True))
+    for k, (mixer, c, i, short) in enumerate(jobs):
+        n = float(LADDER[i])
+        job = root / str(k)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(
+            f"- +sweeps=scaling\n- trainer.max_flops={c}\n- model.pattern=[{mixer}]\n- model.n_layers={2 * i + 2}\n")
+        loss = E + laws[mixer] * c ** -ALPHA + CURV * (math.log(n) - math.log(K * c ** A_EXP)) ** 2
+        length = {"max_flops": c, "flops": c / 2 if short else c * 1.001, "limit": "trainer.max_steps" if short
+                  else "trainer.max_flops"}
+        (job / "summary.json").write_text(json.dumps({
+            "status": "ok", "metrics": {"val/loss": loss + (0.5 if short else 0), "params/non_embedding": n,
+                                        "params/total": n + 5000}, "length": length,
+            "model": {"mixers": [mixer]}, "config": {"optim": {"lr": 3e-3}}}))
+    return root
+
+
+def test_the_report_shows_the_fits_of_a_budget_sweep(tmp_path):
+    from attnzoo.analysis.report import build_report
+    from tests.test_report_html import plotly_figures
+
+    d = fabricated_sweep(tmp_path / "sweep", {"gqa": A, "gdn": 0.8 * A})
+    rep = build_report(d)
+    study = rep["scaling"]
+    assert list(study.fits) == ["gdn", "gqa"] and study.baseline == "gqa"
+    assert study.left_out == [f"job {len(BUDGETS) * len(LADDER) * 2} (trainer.max_flops={BUDGETS[0]} model.pattern=[gqa] "
+                              "model.n_layers=2): stopped by trainer.max_steps before its budget"]
+    for mixer, a_coef in (("gqa", A), ("gdn", 0.8 * A)):
+        fit = study.fits[mixer]
+        assert (fit.frontier.E, fit.frontier.A, fit.frontier.alpha) == pytest.approx((E, a_coef, ALPHA), rel=EXACT)
+        assert fit.n_opt_law.a == pytest.approx(A_EXP, rel=EXACT)
+    md = (d / "report.md").read_text()
+    section = md.split("## Scaling (iso-FLOP sweep)")[1].split("## All jobs")[0]
+    laws = [line for line in section.splitlines() if line.startswith("| gdn |") or line.startswith("| gqa |")]
+    assert len(laws) == 2 + 2 * len(BUDGETS) + 2 * len(BUDGETS)  # laws, minima, multipliers
+    assert f"| gqa | {len(BUDGETS)} / {len(BUDGETS)} | {E:.4g} [" in section and f"{ALPHA:.4g} [" in section
+    mult = [r for r in study.multipliers if r.mixer == "gdn"]
+    assert [r.value for r in mult] == pytest.approx([0.8 ** (1 / ALPHA)] * len(BUDGETS), rel=EXACT)
+    assert f"| gdn | {BUDGETS[-1]:.3g} | " in section and f"{0.8 ** (1 / ALPHA):.4g}" in section
+    # the charts: points and fitted lines on log axes, as PNGs and Plotly figures; no per-job cache / tokens/s charts
+    assert {"isoflop.png", "frontier.png", "n_opt.png"} <= {p.name for p in (d / "plots").iterdir()}
+    assert not (d / "plots" / "acc_vs_cache.png").exists() and not (d / "plots" / "tokens_per_sec.png").exists()
+    figs = plotly_figures((d / "report.html").read_text())
+    iso = figs["chart-isoflop"]
+    assert iso["layout"]["xaxis"]["type"] == "log" and {t["mode"] for t in iso["data"]} == {"markers", "lines"}
+    assert figs["chart-n_opt"]["layout"]["yaxis"]["type"] == "log"
+    fitted = [t for t in figs["chart-frontier"]["data"] if t["mode"] == "lines" and t["name"] == "gqa"]
+    assert fitted and np.allclose(fitted[0]["y"], study.fits["gqa"].frontier(np.array(fitted[0]["x"])))
+    assert {"table-scaling-0", "table-scaling-1", "table-scaling-2"} <= set(figs)

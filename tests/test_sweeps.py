@@ -431,3 +431,37 @@ def test_lm_125m_sweep_holds_every_variant_at_the_gqa_count():
         assert all(abs(c - reference) <= 0.02 * reference for c in counts.values()), counts
         if not extra:
             assert 80e6 < reference < 90e6  # 124M with GPT-2's 50k-token embedding tied
+
+
+def test_scaling_smoke_sweep_stops_every_job_by_its_budget_and_reports_the_fits(tmp_path):
+    """`attnzoo-sweep scaling debug=smoke` (sweeps/smoke/scaling.yaml after the sweep file): every job is sized by
+    the ladder's rule and stopped by its FLOP budget (at least the budget, less than one step over), and the
+    report's iso-FLOP profiles are the jobs' own (N, val/loss) points, fitted by attnzoo.analysis.scaling."""
+    from attnzoo.analysis.scaling import fit_profile
+
+    d = tmp_path / "scaling"
+    rep = run_sweep("scaling", d, "hydra/launcher=basic")
+    assert len(rep["jobs"]) == 12 and all(j["status"] == "ok" for j in rep["jobs"])
+    points: dict[tuple, list] = {}
+    for j in rep["jobs"]:
+        s = json.loads((d / j["job"] / "summary.json").read_text())
+        length, model, m = s["length"], s["model"], s["metrics"]
+        assert length["limit"] == "trainer.max_flops" and s["global_step"] <= 10
+        assert length["max_flops"] <= length["flops"] < length["max_flops"] + length["tokens_per_step"] * length["flops_per_token"]
+        logged = [float(r["train/flops"]) for r in read_csv(d / j["job"] / "csv" / "metrics.csv") if r.get("train/flops")]
+        assert logged[-1] == pytest.approx(length["flops"], rel=1e-12)  # the count logged as the run went
+        assert model["d_model"] == 4 * model["n_layers"] and model["n_heads"] == model["n_layers"]  # d = 4L, heads of 4
+        mixer = "gqa" if "model.pattern=[gqa]" in j["overrides"] else "gdn,attn"
+        points.setdefault((mixer, length["max_flops"]), []).append((m["params/non_embedding"], m["val/loss"]))
+    study = rep["scaling"]
+    assert list(study.fits) == ["gdn,attn", "gqa"] and not study.left_out
+    for mixer, fit in study.fits.items():
+        assert [p.budget for p in fit.profiles] == [1.3e8, 1.75e8]
+        for p in fit.profiles:
+            n, loss = zip(*sorted(points[(mixer, p.budget)]))
+            assert (p.n, p.loss) == (n, loss)
+            assert p.coef == pytest.approx(fit_profile(p.budget, n, loss).coef, rel=1e-9)  # the points' order aside
+    assert (d / "plots" / "isoflop.png").is_file()
+    md = (d / "report.md").read_text()
+    assert "## Scaling (iso-FLOP sweep)" in md and "+sweeps/smoke" not in md  # the rerun command: attnzoo-sweep adds it
+    assert md.index("## Scaling") < md.index("## Best learning rate per variant")

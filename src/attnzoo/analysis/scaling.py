@@ -244,6 +244,7 @@ def compute_multipliers(fits: dict[str, ScalingFit], baseline: str, level: float
                 draws = [f.inverse(float(b(budget))) / budget for f, b in pairs]  # inf: a replicate's floor above
                 interval = (float(np.percentile(draws, tails[0], method="lower")),
                             float(np.percentile(draws, tails[1], method="higher")))
+            needed = value * budget  # within float rounding of the budgets run: not an extrapolation
             out.append(Multiplier(name, budget, target, value, interval,
-                                  not (lo_c <= value * budget <= hi_c)))
+                                  name != baseline and not lo_c * (1 - 1e-9) <= needed <= hi_c * (1 + 1e-9)))
     return out

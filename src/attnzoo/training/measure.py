@@ -12,6 +12,7 @@ from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths
 from attnzoo.mixers.kv_quant import KVFormat
 from attnzoo.models.flops import precision_dtype
 from attnzoo.training.callbacks import RunCheckpoint
+from attnzoo.training.families import embedding_params
 from attnzoo.distributed.fsdp import is_sharded
 from attnzoo.training.fsdp import unshard_for_rank_zero
 
@@ -70,6 +71,7 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     metrics.update({k: float(v) for k, v in budget.items() if isinstance(v, (int, float))})
     metrics["params/total"] = float(model.num_params())
     metrics["params/active"] = float(model.active_params())
+    metrics["params/non_embedding"] = float(model.num_params() - embedding_params(model))  # Kaplan et al.'s N
     kv = inference_kv(run)
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype, **kv) / data_cfg.seq_len
     if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import yaml
 
+from attnzoo.analysis.report import scaling
 from attnzoo.analysis.report.charts import report_charts
 from attnzoo.analysis.report.load import job_dirs, annotate, best_per_variant, load_job, primary_metric
-from attnzoo.analysis.report.page import page
+from attnzoo.analysis.report.page import page, plain_table_html
 from attnzoo.analysis.report.plots import draw_png
 from attnzoo.analysis.report.tables import MD_METRICS, failures_md, lengths_md, markdown_table, metric_columns, write_csv
 
@@ -25,6 +26,9 @@ def build_report(root: str | Path) -> dict:
     cols = [c for c in MD_METRICS if c in metric_columns(jobs)]
 
     charts = report_charts(jobs, best, metric, legends)
+    study = scaling.study(jobs)  # a sweep of FLOP budgets: its iso-FLOP fits
+    if study is not None:  # loss vs cache and tokens/s per job would facet by size x budget: the fits show those
+        charts = scaling.charts(study) + [c for c in charts if c.name not in ("acc_vs_cache", "tokens_per_sec")]
     plots_dir = root / "plots"
     plots_dir.mkdir(exist_ok=True)
     plots = {}
@@ -44,12 +48,14 @@ def build_report(root: str | Path) -> dict:
         md += [f"Command: `{command}`", ""]
     md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`"
            + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
+           scaling.markdown(study) if study else "",
            "## Best learning rate per variant", "", markdown_table(best, cols, extra=extra), "", lengths_md(best, metric),
            "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
-    (root / "report.html").write_text(page(root.name, command, jobs, best, cols, extra, metric, charts, plots))
-    return {"jobs": jobs, "best": best, "charts": charts,
+    (root / "report.html").write_text(page(root.name, command, jobs, best, cols, extra, metric, charts, plots,
+                                           scaling.html_section(study, plain_table_html) if study else ""))
+    return {"jobs": jobs, "best": best, "charts": charts, "scaling": study,
             "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots}}
 
 
@@ -62,6 +68,7 @@ def _sweep_command(root: Path) -> str:
     except Exception:  # noqa: BLE001 - the command line is a nicety
         return ""
     sweep = next((o.split("=", 1)[1] for o in task if o.startswith(("+sweeps=", "sweeps="))), None)
-    rest = [o for o in task if not o.startswith(("+sweeps=", "sweeps=", "hydra.searchpath"))]
+    # attnzoo-sweep adds +sweeps/smoke=NAME itself under debug=smoke
+    rest = [o for o in task if not o.startswith(("+sweeps=", "sweeps=", "+sweeps/", "hydra.searchpath"))]
     rest.append(f"hydra.sweep.dir={root}")  # the rerun that skips finished jobs goes into the same dir
     return (f"attnzoo-sweep {sweep} " if sweep else "attnzoo-train -m ") + " ".join(rest)

@@ -26,12 +26,15 @@ HOVER_METRICS = ("val/acc", "val/loss", "perf/tokens_per_sec", "cache/bytes_per_
 
 @dataclass
 class Series:
-    """One colour: its points (x, y), each y's standard deviation over seeds (None: one seed), hover texts."""
+    """One colour: its points (x, y), each y's standard deviation over seeds (None: one seed), hover texts.
+    `style` overrides how the chart's kind draws it: "points" (markers only), "fit" (a fitted curve: a line, no
+    markers), "optimum" (large open markers: a fitted minimum). Series of one name share colour and legend entry."""
     name: str
     x: list
     y: list
     err: list[float] | None = None
     hover: list[str] = field(default_factory=list)
+    style: str = ""
 
 
 @dataclass
@@ -50,8 +53,13 @@ class Chart:
     ylabel: str
     legend: str  # the legend's title: the swept key (or keys) whose values the colours are
     xlog: int = 0  # the x axis' log base (0: linear)
+    ylog: int = 0  # the y axis' log base (0: linear)
+    sci: bool = False  # x tick labels in scientific notation (FLOPs: 1e+12), not as counts or bytes (4Ki)
     x_integer: bool = False  # steps, key-value pairs, lengths: whole-number ticks
     ylim: tuple[float, float] | None = None
+
+    def tick_label(self, x: float) -> str:
+        return f"{x:.3g}" if self.sci else compact(x)
 
     def colors(self) -> dict[str, str]:
         names = sorted({s.name for p in self.panels for s in p.series}, key=sort_key)
@@ -61,7 +69,8 @@ class Chart:
 
 def sort_key(text: str):
     """Facets and series in natural order ('N=4' before 'N=16')."""
-    return [(0, float(t), "") if re.fullmatch(r"-?\d+(\.\d+)?", t) else (1, 0.0, t) for t in re.split(r"[=\s]+", str(text))]
+    return [(0, float(t), "") if re.fullmatch(r"-?\d+(\.\d+)?(e[+-]?\d+)?", t) else (1, 0.0, t)
+            for t in re.split(r"[=\s]+", str(text))]
 
 
 def compact(x: float) -> str:

@@ -8,7 +8,7 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnzoo.analysis.report.charts import DENSE, Chart, Series, compact, data_ticks
+from attnzoo.analysis.report.charts import DENSE, Chart, Series, data_ticks
 
 PANEL_HEIGHT = 330
 FONT = dict(family="sans-serif", size=12)
@@ -26,10 +26,27 @@ def _int_dtick(xs: list[float]) -> int:
     return int(next(m * exp for m in (1, 2, 5, 10) if m * exp >= raw))
 
 
+def _log_ticks(ys: list[float]) -> dict:
+    """A log y axis ticked at 1, 2, 5 x 10^k, written out (plotly labels the others of a narrow range 2, 3, 4...)."""
+    ys = [y for y in ys if y > 0]
+    if not ys:
+        return dict(type="log")
+    lo, hi = min(ys) / 1.5, max(ys) * 1.5
+    ticks = [m * 10 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1) for m in (1, 2, 5)
+             if lo <= m * 10 ** k <= hi]
+    return dict(type="log", tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:.3g}" for t in ticks])
+
+
 def _traces(chart: Chart, s: Series, color: str, first: bool) -> list:
     """A series' traces in one panel; its legend entry (and group: a click hides it everywhere) once per chart."""
     common = dict(name=s.name, legendgroup=s.name, showlegend=first, text=[h.replace("\n", "<br>") for h in s.hover] or None,
                   hovertemplate="%{text}<extra></extra>" if s.hover else None)
+    if s.style == "fit":  # a fitted curve, under its points
+        return [go.Scatter(x=s.x, y=s.y, mode="lines", line=dict(color=color, width=1.5), opacity=0.8, **common)]
+    if s.style in ("points", "optimum"):
+        marker = dict(color=color, size=8) if s.style == "points" else \
+            dict(color="rgba(0,0,0,0)", size=14, line=dict(color=color, width=2))
+        return [go.Scatter(x=s.x, y=s.y, mode="markers", marker=marker, **common)]
     if s.err and len(s.x) > DENSE:  # a curve: the mean over seeds with the standard deviation as a band
         band = go.Scatter(x=list(s.x) + list(s.x)[::-1], y=[y + e for y, e in zip(s.y, s.err)]
                           + [y - e for y, e in zip(s.y, s.err)][::-1], fill="toself", fillcolor=_rgba(color, 0.2),
@@ -56,17 +73,18 @@ def chart_figure(chart: Chart) -> go.Figure:
             for tr in _traces(chart, s, colors[s.name], s.name not in seen):
                 fig.add_trace(tr, row=row, col=col)
             seen.add(s.name)
-        xs = sorted({float(x) for s in panel.series for x in s.x})
+        xs = sorted({float(x) for s in panel.series if s.style != "fit" for x in s.x})  # a fit's x: not data
         xaxis = dict(title_text=chart.xlabel, showgrid=True, gridcolor="#e5e5e5", zeroline=False)
         if chart.xlog:
             xaxis["type"] = "log"
             if ticks := data_ticks(xs, room=12 * 3 // ncols):  # few values on a log axis: tick them (4Ki, 16)
-                xaxis.update(tickvals=ticks, ticktext=[compact(x) for x in ticks])
+                xaxis.update(tickvals=ticks, ticktext=[chart.tick_label(x) for x in ticks])
         elif chart.x_integer:
             xaxis.update(tick0=0, dtick=_int_dtick(xs), tickformat=",d")
         fig.update_xaxes(row=row, col=col, **xaxis)
         fig.update_yaxes(row=row, col=col, showgrid=True, gridcolor="#e5e5e5", zeroline=False,
-                         title_text=chart.ylabel if col == 1 else None, range=list(chart.ylim) if chart.ylim else None)
+                         title_text=chart.ylabel if col == 1 else None, range=list(chart.ylim) if chart.ylim else None,
+                         **(_log_ticks([y for s in panel.series if s.style != "fit" for y in s.y]) if chart.ylog else {}))
     fig.update_layout(title=dict(text=chart.title, x=0, xanchor="left"), template="plotly_white", font=FONT,
                       height=PANEL_HEIGHT * nrows + 110, margin=dict(l=70, r=20, t=80, b=60),
                       legend=dict(title=dict(text=chart.legend), itemclick="toggle", itemdoubleclick="toggleothers"))

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 # overrides that identify the sweep or the machinery, not the variant
-_FIXED_PREFIXES = ("+sweeps=", "sweeps=", "hydra.", "paths.", "debug=", "logger=", "trainer.accelerator", "trainer.devices")
+_FIXED_PREFIXES = ("+sweeps=", "sweeps=", "+sweeps/", "hydra.", "paths.", "debug=", "logger=", "trainer.accelerator", "trainer.devices")
 _LR_KEYS = ("optim.lr", "seed")
 AXIS_KEYS = ("data.num_kv_pairs", "model.d_model")  # the axes / panels of the MQAR plots
 

@@ -52,8 +52,18 @@ def _table_html(div_id: str, rows: list[dict], head_cells: tuple[list[str], list
     return figure_html(table_figure(head, cells, [j["status"] != "ok" for j in rows], views(rows, field)), div_id)
 
 
+def plain_table_html(div_id: str, head: list[str], rows: list[list]) -> str:
+    """A table of computed rows (no job status): sortable, one view per value of its first column."""
+    firsts: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        firsts.setdefault(r[0][0], []).append(i)
+    views = [(v, ix) for v, ix in firsts.items() if len(ix) < len(rows)]
+    return figure_html(table_figure(head, rows, [False] * len(rows), views), div_id)
+
+
 def page(title: str, command: str, jobs: list[dict], best: list[dict], cols: list[str], extra: list[tuple[str, Any]],
-         metric: str, charts: list[Chart], pngs: dict[str, Path]) -> str:
+         metric: str, charts: list[Chart], pngs: dict[str, Path], sections: str = "") -> str:
+    """`sections`: further sections' html (a budget sweep's scaling study), before the best-of-lr table."""
     e = html.escape
     lengths = length_table(best, metric)
     fails = "".join(f"<li class='failed'>job {e(j['job'])} ({e(j['label'])}): {e(j['status'])}: {e(j['error'])}</li>"
@@ -65,6 +75,7 @@ def page(title: str, command: str, jobs: list[dict], best: list[dict], cols: lis
         f"<p>Command: <code>{e(command)}</code></p>" if command else "",
         f"<p>{len(jobs)} jobs, {sum(j['status'] == 'ok' for j in jobs)} ok; ranking metric <code>{e(metric)}</code>; "
         f"best-of-lr rows are means over seeds where seeds were swept.</p><p>{HELP}</p>",
+        sections,
         "<h2>Best learning rate per variant</h2>", _table_html("table-best", best, table(best, cols, extra), "variant_overrides"),
         *(["<h2>Charts</h2>"] if charts else []), *[figure_html(chart_figure(c), f"chart-{c.name}") for c in charts],
         *(["<h2>Length extrapolation</h2>", _table_html("table-lengths", best, lengths, "variant_overrides")] if lengths[1] else []),

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import matplotlib
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter, StrMethodFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter, StrMethodFormatter
 
-from attnzoo.analysis.report.charts import DENSE, Chart, Series, compact, data_ticks
+from attnzoo.analysis.report.charts import DENSE, Chart, Series, data_ticks
 
 
 def _plt():
@@ -43,14 +43,23 @@ def _x_axis(ax, chart: Chart, series: list[Series]) -> None:
     if chart.xlog:
         ax.set_xscale("log", base=chart.xlog)
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks labelled "3x10^2 4x10^2" overlap
-        if ticks := data_ticks([x for s in series for x in s.x], room=10):
-            ax.set_xticks(ticks, [compact(x) for x in ticks])
+        if ticks := data_ticks([x for s in series if s.style != "fit" for x in s.x], room=10):  # a fit's x: not data
+            ax.set_xticks(ticks, [chart.tick_label(x) for x in ticks])
             ax.xaxis.set_minor_formatter(NullFormatter())
     elif chart.x_integer:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True, steps=[1, 2, 2.5, 5, 10]))
 
 
 def _draw(ax, chart: Chart, s: Series, color: str) -> None:
+    if s.style == "fit":  # a fitted curve, under its points
+        ax.plot(s.x, s.y, color=color, lw=1.2, alpha=0.8, zorder=2)
+        return
+    if s.style == "optimum":
+        ax.scatter(s.x, s.y, s=90, facecolors="none", edgecolors=color, linewidths=1.6, zorder=4)
+        return
+    if s.style == "points":
+        ax.scatter(s.x, s.y, color=color, s=22, zorder=3)
+        return
     if s.err and len(s.x) > DENSE:  # a curve: the mean over seeds, the standard deviation as a band
         ax.plot(s.x, s.y, color=color, lw=1.2)
         ax.fill_between(s.x, [y - e for y, e in zip(s.y, s.err)], [y + e for y, e in zip(s.y, s.err)], color=color,
@@ -78,6 +87,11 @@ def _panels(chart: Chart):
         for s in panel.series:
             _draw(ax, chart, s, colors[s.name])
         _x_axis(ax, chart, panel.series)
+        if chart.ylog:  # ticks at 1, 2, 5 x 10^k, written out (a range within a decade shows several)
+            ax.set_yscale("log", base=chart.ylog)
+            ax.yaxis.set_major_locator(LogLocator(base=chart.ylog, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:.3g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         if panel.title != "all":
             ax.set_title(panel.title, fontsize=9)
         ax.set_xlabel(chart.xlabel, fontsize=8)
@@ -85,7 +99,8 @@ def _panels(chart: Chart):
             ax.set_ylabel(chart.ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    _round_y(flat[0])
+    if not chart.ylog:
+        _round_y(flat[0])
     if chart.ylim:
         flat[0].set_ylim(*chart.ylim)
     handles = [Line2D([], [], color=c, marker="o", label=n) for n, c in colors.items()]

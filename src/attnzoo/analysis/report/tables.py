@@ -10,7 +10,7 @@ from typing import Any
 from attnzoo.analysis.report.load import finite
 
 METRIC_ORDER = ["val/acc", "val/loss", "val/ppl", "train/loss", "perf/tokens_per_sec", "cache/bytes_per_token",
-                "params/total", "params/active", "perf/step_ms", "perf/mfu", "perf/flops_per_token",
+                "params/total", "params/active", "params/non_embedding", "perf/step_ms", "perf/mfu", "perf/flops_per_token",
                 "cache/bytes_at_ctx", "perf/decode_tokens_per_sec", "mem/peak_bytes"]
 MD_METRICS = ["val/acc", "val/loss", "val/ppl", "perf/tokens_per_sec", "cache/bytes_per_token", "params/total"]
 
