@@ -114,7 +114,7 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         return "config checked (multi-node launcher)", config_check(argv[i + 1:], env)
     tool, args = argv[0], argv[1:]
     if tool == "attnzoo-train":
-        if any(h.strip() in args for h in HARDWARE) or any(a == "trainer=ddp" for a in args):
+        if any(h.strip() in args for h in HARDWARE) or any(a in ("trainer=ddp", "trainer=fsdp") for a in args):
             return "config checked (needs a GPU or SLURM)", config_check(args, env)
         multirun = "-m" in args or "--multirun" in args
         where = f"hydra.sweep.dir={tmp}/train{n}" if multirun else f"hydra.run.dir={tmp}/train{n}"
@@ -192,7 +192,7 @@ def sets_run(cmd: str) -> bool:
     argv = strip_comment(cmd.split("&&", 1)[1] if cmd.startswith("bash scripts/setup.sh && ") else cmd)
     args = argv[1:]
     return (argv[0].removeprefix(".venv/bin/") == "attnzoo-train" and "-m" not in args and "--multirun" not in args
-            and not any(h.strip() in args for h in HARDWARE) and "trainer=ddp" not in args
+            and not any(h.strip() in args for h in HARDWARE) and "trainer=ddp" not in args and "trainer=fsdp" not in args
             and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args))
 
 

@@ -185,7 +185,6 @@ def test_named_optimizer_state_becomes_torch_optims_indexed_form():
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.precision=64-true"], r"trainer.precision: 64-true does not run under FSDP .*allowed: 32-true"),
     (["trainer.fsdp.cpu_offload=true"], r"trainer.fsdp.cpu_offload: true on a CPU run .*allowed: false"),
-    (["trainer.fsdp.param_dtype=bf16", "trainer.precision=bf16-mixed"], r"two mixed-precision mechanisms"),
     (["trainer.fsdp.reduce_dtype=int8"], r"trainer.fsdp.reduce_dtype: got 'int8'; allowed: null .*bf16, fp16, fp32"),
     (["trainer.context_parallel=3"], r"trainer.context_parallel: 3 does not divide the 2 processes"),
     (["trainer.num_nodes=2"], r"trainer.num_nodes: 2 nodes need one launch per node .*allowed here: 1"),

@@ -56,7 +56,8 @@ FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")  # Lightning's Mo
 
 def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
     """trainer.strategy=fsdp (training/fsdp.py): its options, a decoder LM, precisions Lightning's FSDP2 strategy runs,
-    one mixed-precision mechanism, host offload for GPU runs only, every node's processes started by a launcher."""
+    host offload for GPU runs only, every node's processes started by a launcher. fsdp.param_dtype with an autocast
+    precision (bf16-mixed) is allowed: the weights are gathered in param_dtype, autocast picks each op's dtype."""
     strategy = str(t.strategy or "auto")
     check(t.num_nodes == 1 or launched_externally(), "trainer.num_nodes",
           f"{t.num_nodes} nodes need one launch per node (torchrun --nnodes {t.num_nodes} or srun; docs/distributed.md)"
@@ -72,9 +73,6 @@ def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
     check(str(t.precision) in FSDP_PRECISIONS, "trainer.precision",
           f"{t.precision} does not run under FSDP (Lightning's ModelParallelStrategy); allowed: "
           f"{', '.join(FSDP_PRECISIONS)}")
-    check(not (f.param_dtype and "mixed" in str(t.precision)), "trainer.fsdp.param_dtype",
-          f"{f.param_dtype} with trainer.precision={t.precision}: two mixed-precision mechanisms; allowed: null "
-          f"(autocast does it), or trainer.precision=32-true")
     check(not (f.cpu_offload and t.accelerator == "cpu"), "trainer.fsdp.cpu_offload",
           "true on a CPU run (the parameters are in host memory already); allowed: false")
 
