@@ -4,7 +4,9 @@
 #      fla linear_attention / deltanet / gated_deltanet, flex_attention sliding window / sinks / causal,
 #      SDPA flash for gqa in bf16), tolerances printed per case;
 #   2. the mixer benchmark in bf16 with model.impl=torch, then model.impl=auto (the speed-up of the kernels);
-#   3. the training-step benchmark (bf16-mixed, model.impl=auto) for gqa and gated_deltanet.
+#   3. the training-step benchmark (bf16-mixed, model.impl=auto) for gqa and gated_deltanet;
+#   4. FSDP2: a run on 1 GPU vs trainer=fsdp on 1 GPU (fp32: the same losses), and the per-rank bytes per parameter
+#      with bf16 gathers (attnzoo-bench fsdp --device cuda); docs/distributed.md.
 # Needs a CUDA build of torch and the gpu extra (fla-core + triton): pip install -e '.[gpu]'. docs/gpu.md.
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (default: gpu_check_results). JSON + markdown land in OUT_DIR.
 # Exit status: 0 all ok; 1 a fast path disagrees with its reference; 2 no GPU; 3 a benchmark failed / timed out.
@@ -19,9 +21,9 @@ if [ "$DEVICE" = cuda ]; then
     echo "gpu_check: no CUDA device is visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)); this script needs one GPU" >&2
     exit 2
   }
-  QUICK=(); TRAINER=(trainer=gpu)
+  QUICK=(); TRAINER=(trainer=gpu); FSDP=(trainer=fsdp trainer.devices=1)
 else
-  QUICK=(--quick); TRAINER=()
+  QUICK=(--quick); TRAINER=(); FSDP=(trainer=fsdp_cpu trainer.devices=1)
 fi
 mkdir -p "$OUT"
 BENCH=("$PY" -m attnzoo.bench)
@@ -34,22 +36,40 @@ run() {  # run LIMIT_SECONDS CMD...: a benchmark step; a failure or timeout is r
   timeout "$limit" "$@" || { echo "gpu_check: step failed or exceeded ${limit} s (status $?): $*" >&2; bench=3; }
 }
 
-step "1/4 fast paths vs torch references (limit 200 s)"
+step "1/5 fast paths vs torch references (limit 200 s)"
 timeout 200 "${BENCH[@]}" --out "$OUT" gpu_check --device "$DEVICE" || check=$?
 
-step "2/4 mixers, bf16 autocast, model.impl=torch (limit 75 s)"
+step "2/5 mixers, bf16 autocast, model.impl=torch (limit 75 s)"
 run 75 "${BENCH[@]}" --out "$OUT/mixers-torch" mixers --precision bf16-mixed --impl torch --mixers "${MIXERS[@]}" \
   --d-model 1024 --n-heads 16 --n-kv-heads 4 --window 512 --batch 4 --lengths 2048 8192 "${QUICK[@]}"
 
-step "3/4 mixers, bf16 autocast, model.impl=auto (limit 120 s; first calls compile the Triton kernels)"
+step "3/5 mixers, bf16 autocast, model.impl=auto (limit 120 s; first calls compile the Triton kernels)"
 run 120 "${BENCH[@]}" --out "$OUT/mixers-auto" mixers --precision bf16-mixed --impl auto --mixers "${MIXERS[@]}" \
   --d-model 1024 --n-heads 16 --n-kv-heads 4 --window 512 --batch 4 --lengths 2048 8192 "${QUICK[@]}"
 
-step "4/4 training step, bf16-mixed, model.impl=auto (limit 80 s each)"
+step "4/5 training step, bf16-mixed, model.impl=auto (limit 80 s each)"
 for m in gqa gated_deltanet; do
   run 80 "${BENCH[@]}" --out "$OUT/train-$m" train --mixer "$m" --precisions bf16-mixed --steps 5 "${QUICK[@]}" \
     --overrides "${TRAINER[@]}" model.impl=auto data.tokenizer=char data.max_chars=400000
 done
+
+step "5/5 FSDP2 on 1 device vs plain (limit 90 s each), bytes per parameter (limit 90 s)"
+FSDP_RUN=(-m attnzoo.cli.train debug=smoke data.tokenizer=char trainer.max_steps=8 trainer.log_every_n_steps=1
+          trainer.precision=32-true trainer.fsdp.param_dtype=null perf.measure_decode=false sample.max_new_tokens=0)
+run 90 "$PY" "${FSDP_RUN[@]}" "${TRAINER[@]}" hydra.run.dir="$OUT/fsdp/plain"
+run 90 "$PY" "${FSDP_RUN[@]}" "${FSDP[@]}" hydra.run.dir="$OUT/fsdp/fsdp"
+"$PY" - "$OUT/fsdp" <<'PYEOF' || bench=3
+import csv, sys
+def losses(d):
+    return [float(r["train/loss"]) for r in csv.DictReader(open(f"{sys.argv[1]}/{d}/csv/metrics.csv")) if r.get("train/loss")]
+a, b = losses("plain"), losses("fsdp")
+gap = max(abs(x - y) for x, y in zip(a, b))
+print(f"fsdp vs plain on 1 device: {len(a)} steps, max |train/loss difference| {gap:.3g}")
+sys.exit(0 if len(a) == len(b) == 8 and gap <= 1e-5 else 1)
+PYEOF
+if [ "$DEVICE" = cuda ]; then
+  run 90 "${BENCH[@]}" --out "$OUT/fsdp-memory" fsdp --ranks 1 --device cuda --param-dtype bf16 --d-model 1024 --n-layers 8
+fi
 
 echo
 echo "== gpu_check summary ($SECONDS s; results in $OUT)"

@@ -154,15 +154,24 @@ def _memory_worker(rank: int, world: int, port: int, spec: dict, out_path: str) 
     from attnzoo.distributed.fsdp import shard_model
     from attnzoo.models.decoder import DecoderLM
 
-    _init(rank, world, port, spec["threads"])
+    device = torch.device(spec["device"], rank if spec["device"] == "cuda" else None)
+    if device.type == "cuda":  # one GPU per rank, NCCL
+        import os
+
+        torch.cuda.set_device(device)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    else:
+        _init(rank, world, port, spec["threads"])
     torch.manual_seed(0)
-    model = DecoderLM(spec["model"], vocab_size=spec["vocab"])
+    model = DecoderLM(spec["model"], vocab_size=spec["vocab"]).to(device)
     if spec["strategy"] == "fsdp":
-        model = shard_model(model, init_device_mesh("cpu", (world,)), FSDPConfig(param_dtype=None))
+        mesh = init_device_mesh(device.type, (world,))
+        model = shard_model(model, mesh, FSDPConfig(param_dtype=spec["param_dtype"]))
     else:
         model = DistributedDataParallel(model)
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]), generator=g)
+    x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]), generator=g).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(x).float().logsumexp(-1).mean().backward()
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -171,7 +180,10 @@ def _memory_worker(rank: int, world: int, port: int, spec: dict, out_path: str) 
     state = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     row = {"strategy": spec["strategy"], "ranks": world, "rank": rank, "params MiB": params / 2**20,
            "grads MiB": grads / 2**20, "optimizer MiB": state / 2**20, "total MiB": (params + grads + state) / 2**20,
-           "peak RSS MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak RSS MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "bytes/param": (params + grads + state) / sum(p.numel() for p in model.parameters())}
+    if device.type == "cuda":  # everything the step allocated on the GPU, activations and gathered blocks included
+        row["peak GPU MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
     Path(out_path + f".{rank}").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -194,6 +206,9 @@ def add_arguments(p) -> None:
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=3, help="--check: AdamW steps compared")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="memory: gloo on CPU, or NCCL, a GPU per rank")
+    p.add_argument("--param-dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="memory, FSDP: the dtype of gathered weights (trainer.fsdp.param_dtype)")
 
 
 QUICK = {"d_model": 64, "n_layers": 2, "seq_len": 32}
@@ -213,7 +228,8 @@ def run(args) -> dict:
                           "and one process accumulating the ranks' row splits (the MoE router computes in fp32)."]}
     model = {"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": max(1, args.d_model // 64),
              "mixer": {"name": "gqa"}, "ffn": {"name": "swiglu"}, "max_seq_len": args.seq_len}
-    spec = {"model": model, "vocab": 8192, "seq_len": args.seq_len, "batch": 1, "threads": 1}
+    spec = {"model": model, "vocab": 8192, "seq_len": args.seq_len, "batch": 1, "threads": 1, "device": args.device,
+            "param_dtype": args.param_dtype}
     rows = []
     for strategy in ("ddp", "fsdp"):
         for world in args.ranks:
@@ -224,7 +240,7 @@ def run(args) -> dict:
     return {"title": f"Per-rank training state, DDP vs FSDP2 (d_model={args.d_model}, {args.n_layers} layers)",
             "rows": rows,
             "columns": ["strategy", "ranks", "params MiB", "grads MiB", "optimizer MiB", "total MiB", "vs 1 process",
-                        "peak RSS MiB"],
+                        "bytes/param", "peak RSS MiB"] + (["peak GPU MiB"] if args.device == "cuda" else []),
             "notes": ["rank 0's bytes of the tensors kept between steps (fp32): parameters, gradients, AdamW's two "
                       "moments; FSDP: this rank's shards (DTensor local parts). The gathered weights of the block in "
                       "flight and the activations come on top; peak RSS includes the Python/torch runtime (~300 MiB)."]}

@@ -193,6 +193,10 @@ class TrainingModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, FSDPStrategy) and not is_sharded(self.model):
             shard_model(self.model, strategy.device_mesh["data_parallel"], strategy.fsdp_cfg)
+            self.after_shard()
+
+    def after_shard(self) -> None:
+        """After `shard_model`: a subclass re-binds what it holds of the model's methods (FSDP wrapped them)."""
 
     # ------------------------------------------------------------------ random state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -283,6 +287,14 @@ class LitLM(TrainingModule):
         # not submodules
         object.__setattr__(self, "_fwd", self.model)
         object.__setattr__(self, "_hidden", self.model.hidden_states)
+
+    def after_shard(self) -> None:
+        """FSDP registered `hidden_states` as a forward method (distributed/fsdp.py): the training callables bound
+        before must call the wrapped one (compiled again when they were compiled)."""
+        if self._fwd is not self.model:
+            self.compile_model()
+        else:
+            object.__setattr__(self, "_hidden", self.model.hidden_states)
 
     def compile_model(self, **kwargs) -> None:
         """torch.compile the training forward; generation and caches keep the eager model. The compiled
