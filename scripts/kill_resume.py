@@ -36,6 +36,7 @@ FEATURES = {
                                                    "model.ffn.bias_update_speed=0.01", "model.ffn.aux_loss_coef=0.01"],
     "encdec (data=reversal)": ["model=encdec", "data=reversal"],
     "ddp_cpu (2 processes)": TEXT + ["trainer=ddp_cpu"],
+    "fsdp_cpu (2 processes, sharded checkpoints)": TEXT + ["trainer=fsdp_cpu"],
 }
 
 

@@ -232,3 +232,37 @@ def test_two_nodes_on_one_machine_train_and_resume(tmp_path, one_process):
     torch.testing.assert_close(losses(run), ref, atol=atol, rtol=0)
     assert sum(out.count("attnzoo run summary") for out in outs) == 1  # rank 0 alone prints and writes the summary
     assert not (run / ".attnzoo.lock").exists()
+
+
+# ----------------------------------------------------------------------------- FSDP with the memory options and CP
+HYBRID = ["model.pattern=[gdn,attn]", "+model/mixer@model.mixers.gdn=gated_deltanet",
+          "+model/mixer@model.mixers.attn=gqa", "model.mixers.gdn.chunk_size=4"]
+COMBOS = {
+    # the chunked loss reads the head's weight outside forward; checkpointed blocks regather in backward; the
+    # balance loss is per rank (as under DDP), so it is off for the comparison with one process (the bias is global)
+    "checkpointing+chunked-ce+moe": (["trainer.activation_checkpointing=true", "trainer.ce_chunk_tokens=24",
+                                      "model/ffn=moe", "model.ffn.bias_update_speed=0.01",
+                                      "model.ffn.aux_loss_coef=0.0"], 2),
+    # each sequence over the 2 ranks, which also shard the weights: both ranks see the same rows
+    "context-parallel-2+hybrid": (["trainer.context_parallel=2", *HYBRID], 1),
+}
+
+
+@pytest.mark.slow  # 2 x 2 worker processes + 2 one-process runs
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_fsdp_with_memory_options_and_context_parallel_logs_ddps_losses(combo, tmp_path):
+    """FSDP and DDP (2 processes) log the same per-step losses as one process on the rows each rank sees (within
+    10x that run's own fp32-vs-fp64 gap)."""
+    extra, dp = COMBOS[combo]
+    base = BASE + extra + ["trainer.max_steps=8"]
+    rows = 4 * dp  # one process sees the global batch: 8 rows (2 data-parallel ranks), 4 (CP: the ranks share rows)
+    one = [o for o in extra if not o.startswith("trainer.context_parallel")]
+    train(compose_cfg(BASE + one + ["trainer.max_steps=8", f"data.batch_size={rows}"], tmp_path / "fp32"))
+    train(compose_cfg(BASE + one + ["trainer.max_steps=8", f"data.batch_size={rows}", "trainer.precision=64-true"],
+                      tmp_path / "fp64"))
+    ref = losses(tmp_path / "fp32")
+    atol = gap_atol(ref, losses(tmp_path / "fp64"))
+    train(compose_cfg(base + ["trainer=fsdp_cpu", "data.batch_size=4"], tmp_path / "fsdp"))
+    train(compose_cfg(base + ["trainer=ddp_cpu", "data.batch_size=4"], tmp_path / "ddp"))
+    torch.testing.assert_close(losses(tmp_path / "fsdp"), losses(tmp_path / "ddp"), atol=atol, rtol=0)
+    torch.testing.assert_close(losses(tmp_path / "fsdp"), ref, atol=atol, rtol=0)

@@ -39,7 +39,9 @@ def shard_model(model: nn.Module, mesh, cfg) -> nn.Module:
     for i, block in enumerate(blocks):
         # the last block's weights are needed again first in backward: keeping them gathered saves one all-gather
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **kw)
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    # the root (embedding, final norm, head) stays gathered after forward: the head is used right after it (the
+    # chunked loss reads lm_head.weight outside the forward) and first in backward (FSDP2's own default for a root)
+    fully_shard(model, reshard_after_forward=False, **kw)
     if hasattr(model, "hidden_states"):  # the chunked loss enters by hidden_states, not forward: the same hooks
         register_fsdp_forward_method(model, "hidden_states")
     for name, p in model.named_parameters():
