@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"sweep_time: {args.sweep} does not sweep {BUDGET}; it estimates budget sweeps")
     start = time.time()
     t0 = cpu_seconds()
+    first = {k: v for k, v in jobs[0].items() if k != BUDGET}
+    probe(args.sweep, fixed, first, 1, Path(args.out) / "warmup", True)  # once: the tokenizer, the corpus cache
     shapes: dict[tuple, dict] = {}
     for job in jobs:
         shape = {k: v for k, v in job.items() if k != BUDGET}

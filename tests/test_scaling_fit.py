@@ -59,12 +59,13 @@ def test_a_profile_without_a_minimum_inside_its_sizes_is_left_out_of_the_laws():
     assert fit_power_law([1e11, 1e12, 1e13], [2.5, 2.6, 2.7]) is None  # a loss rising with compute has no law
 
 
-# Noisy points: 1% loss noise (about the seed-to-seed spread of a small LM's validation loss). Over 100 noise
+# Noisy points: 0.01 loss noise (the order of a small LM's seed-to-seed spread: docs/scaling.md measured 0.024 nats
+# at the CPU study's smallest budget). Over 100 noise
 # draws of this design (200-300 replicates each) the 95% percentile intervals covered the true value in 92-93% of
 # draws for every parameter, and the estimates of a, alpha and E had no bias beyond their standard errors (sd of
 # a: 0.015, alpha: 0.017, E: 0.10). Checked here on 20 draws: an interval that covered even 90% of the time would
-# cover at most 12 of 20 with probability < 0.001, and a mean more than 3 standard errors from the truth has
-# probability 0.003 for an unbiased estimator.
+# cover at most 12 of 20 with probability 0.0004, and for an unbiased estimator a mean of 20 draws more than 3 of
+# their standard errors from the truth has probability 0.007 (Student's t, 19 degrees of freedom).
 NOISE, DRAWS, COVER_AT_LEAST = 0.01, 20, 13
 
 

@@ -8,8 +8,9 @@ Input: one point per finished run, (N parameters, C its training-FLOP budget, L 
                      no minimum; one whose vertex lies outside its sizes is extrapolated (`inside` False). Only
                      profiles with a minimum inside their sizes feed the two laws below.
   frontier           L_opt(C) = E + A C^-alpha: for a fixed alpha the law is linear in (E, A), solved exactly by
-                     least squares, so the fit is a one-dimensional search over alpha (a log grid, then golden
-                     section). A (and alpha) must come out positive: a loss that does not fall with compute has no law.
+                     least squares, so the fit is a one-dimensional search over alpha (a log grid, then
+                     zooms onto its best point). A must come out positive: a loss that does not fall with
+                     compute has no law.
   N_opt law          N_opt(C) = k C^a: a straight line in (ln C, ln N_opt). D_opt = C / (6 N_opt) then grows as
                      C^(1 - a) under the 6ND rule; this package counts C by each model's own FLOPs instead.
   intervals          a residual bootstrap of the whole procedure: the parabolas' residuals, pooled over a mixer's
