@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.bench.fsdp import CASES, run_check
+from attnzoo.bench.fsdp import CASES, run_check, run_memory
 from attnzoo.config.errors import ConfigError
 from attnzoo.distributed.fsdp import indexed_optimizer_state, is_sharded_checkpoint
 from attnzoo.inference.generate import load
@@ -68,6 +68,18 @@ def test_fsdp_and_ddp_on_four_processes_train_as_one_process():
         assert r["tolerance"] <= 1e-6, r  # only fp32 rounding inside the float64 model may widen it
     moe = next(r for r in rows if r["case"].startswith("moe"))
     assert moe["bias moved"] > 0  # the aux-loss-free bias was updated (from the load summed over the ranks)
+
+
+def test_the_memory_benchmark_measures_half_of_ddps_training_state_on_two_ranks():
+    """attnzoo-bench fsdp (memory): rank 0's parameters, gradients and AdamW moments, measured from the tensors it
+    holds after a step: FSDP on 2 ranks holds half of DDP's (every dimension here splits evenly), 16 bytes/parameter
+    in fp32 under DDP, 8 under FSDP."""
+    spec = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "mixer": {"name": "gqa"}, "ffn": {"name": "swiglu"}},
+            "vocab": 64, "seq_len": 16, "batch": 1, "threads": 1, "device": "cpu", "param_dtype": None}
+    ddp, fsdp = (run_memory(2, {**spec, "strategy": s})[0] for s in ("ddp", "fsdp"))
+    assert ddp["bytes/param"] == 16 and fsdp["bytes/param"] == 8
+    for key in ("params MiB", "grads MiB", "optimizer MiB", "total MiB"):
+        assert fsdp[key] == ddp[key] / 2, key
 
 
 # ----------------------------------------------------------------------------- end to end

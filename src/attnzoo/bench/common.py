@@ -1,7 +1,11 @@
 """Timing helpers shared by the benchmark subcommands, and what they ask a mixer class."""
 from __future__ import annotations
 
+import json
+import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,3 +37,20 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 2, min_time: float = 0.5,
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable, world: int, spec, prefix: str = "attnzoo-") -> list[dict]:
+    """`worker(rank, world, port, spec, out)` on `world` fresh processes (torch.multiprocessing); each rank writes its
+    row as JSON to `out + f".{rank}"`. Returns the rows in rank order."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        out = str(Path(tmp) / "rank")
+        mp.spawn(worker, args=(world, free_port(), spec, out), nprocs=world, join=True)
+        return [json.loads(Path(out + f".{r}").read_text()) for r in range(world)]

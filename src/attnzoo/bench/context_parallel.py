@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from attnzoo.bench.common import free_port, spawn_ranks
 
 HELP = "context parallelism: equivalence per mixer (--check) or tokens/s, comm share and peak memory per rank"
 
@@ -64,10 +65,7 @@ def model_cfg(case: str) -> dict:
     return {**_BASE, **CASES[case]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # the name the tests and the fsdp bench import
 
 
 WORKER_TIMEOUT_S = 300  # a worker stuck in a collective exits with its traceback instead of hanging the caller
@@ -246,12 +244,7 @@ def _time_worker(rank: int, world: int, port: int, spec: dict, out_path: str) ->
 
 
 def run_timing(world: int, spec: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="attnzoo-cp-") as tmp:
-        out = str(Path(tmp) / "rank")
-        mp.spawn(_time_worker, args=(world, _free_port(), spec, out), nprocs=world, join=True)
-        return [json.loads(Path(out + f".{r}").read_text()) for r in range(world)]
+    return spawn_ranks(_time_worker, world, spec, "attnzoo-cp-")
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from attnzoo.bench.common import spawn_ranks
 from attnzoo.bench.context_parallel import _free_port, _init
 
 HELP = "FSDP2: loss/parameter equivalence with DDP and one process (--check), or per-rank memory at 1/2/4 processes"
@@ -190,12 +191,7 @@ def _memory_worker(rank: int, world: int, port: int, spec: dict, out_path: str) 
 
 
 def run_memory(world: int, spec: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="attnzoo-fsdp-") as tmp:
-        out = str(Path(tmp) / "rank")
-        mp.spawn(_memory_worker, args=(world, _free_port(), spec, out), nprocs=world, join=True)
-        return [json.loads(Path(out + f".{r}").read_text()) for r in range(world)]
+    return spawn_ranks(_memory_worker, world, spec, "attnzoo-fsdp-")
 
 
 # ----------------------------------------------------------------------------- CLI
