@@ -30,9 +30,9 @@ HELP = "FSDP2: loss/parameter equivalence with DDP and one process (--check), or
 
 _BASE = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn": {"name": "swiglu"}}
 CASES: dict[str, dict] = {
-    "gqa": {**_BASE, "mixer": {"name": "gqa"}},
-    "mla": {**_BASE, "mixer": {"name": "mla"}},
-    "gated_deltanet": {**_BASE, "mixer": {"name": "gated_deltanet", "chunk_size": 4}},
+    "gqa x2": {**_BASE, "mixer": {"name": "gqa"}},
+    "mla x2": {**_BASE, "mixer": {"name": "mla"}},
+    "gated_deltanet x2": {**_BASE, "mixer": {"name": "gated_deltanet", "chunk_size": 4}},
     "hybrid gdn/gqa/swa": {**_BASE, "n_layers": 3, "pattern": ["gdn", "attn", "swa"],
                            "mixers": {"gdn": {"name": "gated_deltanet", "chunk_size": 4}, "attn": {"name": "gqa"},
                                       "swa": {"name": "sliding_window", "window": 6}}},

@@ -51,8 +51,9 @@ def mixer_label(j: dict) -> str:
     return " ".join(named) or j["mixer"]
 
 
-def study(jobs: list[dict]) -> Optional[Study]:
-    """The scaling study of a sweep's jobs; None when no job had a FLOP budget."""
+def study(jobs: list[dict], baseline: str = "gqa") -> Optional[Study]:
+    """The scaling study of a sweep's jobs; None when no job had a FLOP budget. `baseline`: the mixer (label) the
+    compute multipliers are measured against (the first mixer when the sweep has no such label)."""
     budgeted = [j for j in jobs if ((j["summary"].get("length") or {}).get("max_flops") is not None
                                     or any(_key(o) == BUDGET_KEY for o in j["overrides"]))]
     if not budgeted:
@@ -82,7 +83,7 @@ def study(jobs: list[dict]) -> Optional[Study]:
     mixers = sorted(points, key=sort_key)
     fits = {m: fit_scaling([p["n"] for p in points[m]], [p["c"] for p in points[m]], [p["loss"] for p in points[m]],
                            n_boot=BOOTSTRAP, level=LEVEL) for m in mixers}
-    baseline = "gqa" if "gqa" in fits else (mixers[0] if mixers else None)
+    baseline = baseline if baseline in fits else (mixers[0] if mixers else None)
     multipliers = compute_multipliers(fits, baseline, LEVEL) if baseline else []
     return Study(fits, {m: points[m] for m in mixers}, baseline, multipliers, left_out)
 
