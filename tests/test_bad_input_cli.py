@@ -134,3 +134,18 @@ def test_bench_options_refused_before_the_benchmark_runs(argv, line, tmp_path, c
     assert got.startswith("attnzoo-bench cache: error: " + line.replace("<tmp>", str(tmp_path))), got
     assert torch.get_num_threads() == threads and not (tmp_path / "bench").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["f.txt"])
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["experiment=mqar", "model/mixer=gated_deltanet", "model.mixer.use_gate=true"],
+     "model.mixer.use_gate: every layer (gated_deltanet) takes its settings from model.mixers.gated_deltanet (the "
+     "experiment's recipe), which this value would not reach; allowed: model.mixers.gated_deltanet.use_gate=true"),
+    (["experiment=mqar", "model/mixer=gqa", "model.mixer.conv_size=2"], None),  # gqa has no recipe entry: reaches
+    (["experiment=mqar", "model/mixer=gla", "model.mixers.gla.use_gate=true"], None),
+])
+def test_a_mixer_override_the_recipe_shadows_is_refused_with_the_key_that_reaches(argv, line):
+    """experiment=mqar gives some mixers the sweep's settings through model.mixers.<name>: a model.mixer.<key> for
+    them would be silently dropped, so the CLI refuses it naming the key that reaches the layers."""
+    from attnzoo.cli.train import check_unknown_keys
+
+    assert check_unknown_keys(argv) == line

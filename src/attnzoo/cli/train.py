@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
+from attnzoo.config.schema import parse_pattern
 from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
 from attnzoo.training.launch import launched_externally
 from attnzoo.training.run import train
@@ -209,8 +210,7 @@ def check_unknown_keys(args: list[str]) -> str | None:
             GlobalHydra.instance().clear()
 
     try:
-        composed(overrides)
-        return None
+        return shadowed_mixer_override(composed(overrides), [one_job[a] for a in overrides])
     except ConfigCompositionException as e:
         bad = next((a for a in overrides if f"'{a.split('=', 1)[0]}'" in str(e)), None)
         if bad is None or bad.startswith(("+", "~", "hydra.")) or "/" in bad.split("=", 1)[0]:
@@ -228,6 +228,24 @@ def check_unknown_keys(args: list[str]) -> str | None:
     close = difflib.get_close_matches(leaf, keys, n=1)
     hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
     return f"{key}: unknown key; {hint}allowed keys: {', '.join(map(str, keys))} (add a new key with +{bad})"
+
+
+def shadowed_mixer_override(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """`model.mixer.K=V` where every layer takes its settings from `model.mixers.<name>` (experiment=mqar's recipe
+    for some mixers): the value would reach no layer, so it is refused with the key that would."""
+    model = cfg.get("model") or {}
+    name = OmegaConf.select(cfg, "model.mixer.name")
+    items = parse_pattern(OmegaConf.select(cfg, "model.pattern"))
+    mixers = model.get("mixers") or {}
+    if not items or name not in mixers or not all(i in mixers for i in items):
+        return None
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.startswith("model.mixer.") and key != "model.mixer.name":
+            leaf = key.removeprefix("model.mixer.")
+            return (f"{key}: every layer ({'/'.join(items)}) takes its settings from model.mixers.{name} (the "
+                    f"experiment's recipe), which this value would not reach; allowed: model.mixers.{name}.{leaf}={value}")
+    return None
 
 
 if __name__ == "__main__":
