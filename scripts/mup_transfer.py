@@ -16,9 +16,10 @@ from pathlib import Path
 PARAMETRIZATIONS = ("standard", "mup")
 
 
-def load(sweep: Path) -> dict:
-    """{parametrization: {width: {lr: val/loss}}} from the jobs' summary.json files."""
+def load(sweep: Path) -> tuple[dict, set]:
+    """{parametrization: {width: {lr: val/loss}}} from the jobs' summary.json files, and the µP base widths seen."""
     out: dict = {p: {} for p in PARAMETRIZATIONS}
+    bases = set()
     for path in sorted(sweep.glob("*/summary.json")):
         s = json.loads(path.read_text())
         if s.get("status") != "ok":
@@ -26,7 +27,9 @@ def load(sweep: Path) -> dict:
         c = s["config"]
         loss = s["metrics"].get("val/loss", float("nan"))
         out[c["model"]["parametrization"]].setdefault(c["model"]["d_model"], {})[c["optim"]["lr"]] = loss
-    return out
+        if c["model"]["parametrization"] == "mup":
+            bases.add(c["model"]["mup_base_width"])
+    return out, bases
 
 
 def best(curve: dict) -> tuple[float, float]:
@@ -61,7 +64,7 @@ def tables(losses: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(losses: dict, path: Path) -> Path:
+def plot(losses: dict, path: Path, bases: set) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +87,8 @@ def plot(losses: dict, path: Path) -> Path:
             ax.plot([b_lr], [b_v], marker="*", ms=14, color=color, markeredgecolor="black")
         ax.set_xscale("log")
         ax.set_xlabel("optim.lr")
-        ax.set_title({"standard": "standard parametrization", "mup": "µP (base width 32)"}[p])
+        base = f" (base width {', '.join(map(str, sorted(bases)))})" if bases else ""
+        ax.set_title({"standard": "standard parametrization", "mup": f"µP{base}"}[p])
         ax.grid(True, which="both", alpha=0.3)
         ax.set_ylim(lo - 0.05, min(max(finite), lo + 1.0))
     axes[0].set_ylabel("val/loss after training")
@@ -102,11 +106,11 @@ def main() -> None:
     ap.add_argument("sweep", type=Path, help="the sweep directory (hydra.sweep.dir)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the PNG and JSON (default: the sweep dir)")
     args = ap.parse_args()
-    losses = load(args.sweep)
+    losses, bases = load(args.sweep)
     if not any(losses.values()):
         raise SystemExit(f"{args.sweep}: no finished mup_transfer jobs (*/summary.json with status ok)")
     out = args.out or args.sweep
-    png = plot(losses, out / "mup_transfer.png")
+    png = plot(losses, out / "mup_transfer.png", bases)
     best_lr = {p: {w: best(c)[0] for w, c in sorted(losses[p].items())} for p in PARAMETRIZATIONS}
     best_lr = {p: {w: lr for w, lr in b.items() if math.isfinite(lr)} for p, b in best_lr.items()}
     (out / "mup_transfer.json").write_text(json.dumps(

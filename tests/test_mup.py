@@ -114,6 +114,21 @@ def test_mup_init_readout_and_roles(tied):
         assert torch.equal(mp(x), mp.lm_head(mp.norm(h)) / m)  # 1/m a power of two: exact either side of the head
 
 
+def test_raw_parameters_by_their_growing_dimensions():
+    """Raw (not nn.Linear) parameters: two growing dimensions make a hidden matrix (MoE experts); one counts only
+    when it is the declared fan-in (RWKV-7's input-major LoRA: down d -> r is hidden, up r -> d is not); a per-head
+    (heads, head_dim) vector or the conv's (channels, taps) is width-independent."""
+    _, mp = mup_pair("rwkv7", ffn={"name": "moe", "n_experts": 4, "top_k": 2})
+    roles = mup.roles(mp)
+    for name in ("w_lora.down", "a_lora.down", "g_lora.down"):
+        assert roles[f"blocks.0.mixer.{name}"] == "hidden", name
+    for name in ("w_lora.up", "g_lora.up", "r_k", "x_r", "k_k"):
+        assert roles[f"blocks.0.mixer.{name}"] == "width-independent", name
+    assert roles["blocks.0.ffn.w_up"] == roles["blocks.0.ffn.w_down"] == "hidden"
+    _, gdn = mup_pair("gated_deltanet")
+    assert mup.roles(gdn)["blocks.0.mixer.conv.weight"] == "width-independent"
+
+
 def qk_size(layer) -> int:
     """d of a layer's q.k: the head (or feature / key) size the scale is for."""
     if hasattr(layer, "dn"):  # MLA: nope + rope dims
@@ -121,25 +136,25 @@ def qk_size(layer) -> int:
     return getattr(layer, "qk_dim", None) or layer.head_dim
 
 
-@pytest.mark.parametrize("mixer, grows", [
-    ("gqa", True), ("sliding_window", True), ("mla", True), ("moba", True),
-    ({"name": "linear_attention", "normalize": False, "feature_map": "identity"}, True),
-    ({"name": "gla", "use_output_norm": False}, True),
-    ("linear_attention", False), ("gla", False), ("retnet", False), ("mamba2", False), ("deltanet", False),
-    ("gated_deltanet", False),
+@pytest.mark.parametrize("mixer, grows, multiplier", [
+    ("gqa", True, 1.0), ("sliding_window", True, 1.0), ("mla", True, 1.0), ("moba", True, 1.0),
+    ({"name": "gqa", "softmax_scale": 8.0}, True, 8.0), ({"name": "mla", "softmax_scale": 2.0}, True, 2.0),
+    ({"name": "linear_attention", "normalize": False, "feature_map": "identity"}, True, 1.0),
+    ({"name": "gla", "use_output_norm": False}, True, 1.0),
+    ("linear_attention", False, None), ("gla", False, None), ("retnet", False, None), ("mamba2", False, None),
+    ("deltanet", False, None), ("gated_deltanet", False, None),
 ])
-def test_mup_qk_scale(mixer, grows):
+def test_mup_qk_scale(mixer, grows, multiplier):
     """Where q.k grows with d (softmax attention, linear attention without its normaliser or output norm, GLA without
-    its output norm) µP multiplies the scale by d^-1/2 (softmax: 1/d); elsewhere it is the standard one."""
+    its output norm) µP's scale is multiplier / d (the config's scale field, default 1: softmax 1/d, mup's 8/d with
+    8); elsewhere the standard one."""
     std, mp = mup_pair(mixer)
     for a, b in zip(std.mixers, mp.mixers):
         assert type(b).mup_qk_grows(b.cfg) is grows
-        d = qk_size(b)
-        standard = getattr(a, "scale", None)
         if grows:
-            assert b.scale == pytest.approx((d**-0.5 if standard is None else standard) / math.sqrt(d), rel=1e-12)
+            assert b.scale == multiplier / qk_size(b)
         else:
-            assert getattr(b, "scale", None) == standard
+            assert getattr(b, "scale", None) == getattr(a, "scale", None)
 
 
 @pytest.mark.parametrize("mixer", MIXERS.names())
@@ -252,16 +267,17 @@ def test_mup_run_trains(tmp_path):
 
 def test_coordinate_check(tmp_path):
     """attnzoo-bench mup_coord at 4 widths (32..256, base 32), 4 AdamW steps at lr 1e-2: under µP every size's
-    exponent against the width (size ~ width^a, fitted per step) has |a| < 1/2 (µP predicts 0); under the standard
-    parametrization the updates of the logits and of the last block's output grow (mean a > 1/2; Adam predicts 1).
-    The bound 1/2 is the midpoint of the two predictions, so each side is classified by the nearer one."""
+    exponent against the width (size ~ width^a, fitted per step) is flat (|mean a| < 1/2, and here |a| < 1/2 at every
+    step; µP predicts 0); under the standard parametrization the updates of the logits and of the last block's output
+    grow (mean a > 1/2; Adam predicts 1). The bound 1/2 is the midpoint of the two predictions: each side is
+    classified by the nearer one."""
     bench_main(["--out", str(tmp_path), "mup_coord", "--widths", "32", "64", "128", "256", "--steps", "4",
                 "--seeds", "1", "--seq-len", "32", "--batch-size", "8", "--override", SMALL_TEXT[0], "--override",
                 SMALL_TEXT[1], "--override", f"paths.cache_dir={SESSION_CACHE}"])
     result = json.loads((tmp_path / "mup_coord.json").read_text())["result"]
     for size, exps in result["mup"]["exponents"].items():
-        assert all(abs(a) < 0.5 for a in exps), (size, exps)
+        assert all(abs(a) < 0.5 for a in exps) and result["mup"]["flat"][size], (size, exps)
     for size in ("logits update", "hidden update"):
         exps = result["standard"]["exponents"][size]
-        assert sum(exps) / len(exps) > 0.5, (size, exps)
+        assert sum(exps) / len(exps) > 0.5 and not result["standard"]["flat"][size], (size, exps)
     assert (tmp_path / "mup_coord.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

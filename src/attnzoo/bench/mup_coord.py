@@ -11,7 +11,8 @@ What the check reads: the exponent a of each size against the width (the least-s
 width, per step). Under µP every layer's activations and their updates stay the same size as the width grows (a = 0);
 under the standard parametrization with Adam an update moves a weight's every entry by about the learning rate, and
 a layer sums d of them coherently, so the updates grow like the width (a = 1; the logits grow at init too, like
-sqrt(d)). `flat` is |a| < 1/2 at every step: the exponent nearer 0 than 1. Writes mup_coord.png beside the JSON.
+sqrt(d)). `flat` is |mean of a over the steps| < 1/2: nearer 0 than 1 (the per-step range is reported beside it:
+the narrowest widths deviate most, finite-width effects). Writes mup_coord.png beside the JSON.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ HELP = "µP coordinate check: activation and update sizes vs width for the first
 QUICK = {"widths": [32, 64], "steps": 2, "seeds": 1, "seq_len": 32, "batch_size": 4}
 METRICS = ("logits", "logits update", "hidden", "hidden update")  # hidden: the last block's output
 PARAMETRIZATIONS = ("standard", "mup")
-FLAT = 0.5  # |exponent| below: nearer µP's 0 than the standard parametrization's 1
+FLAT = 0.5  # |mean exponent| below: nearer µP's 0 than the standard parametrization's 1
 
 
 def add_arguments(p) -> None:
@@ -93,7 +94,7 @@ def exponent(widths: list[int], values: list[float]) -> float:
 def coord_check(widths: list[int], *, steps: int = 10, seeds: int = 3, lr: float = 1e-2, base_width: int | None = None,
                 seq_len: int = 64, batch_size: int = 8, overrides: list[str] = ()) -> dict:
     """The measurement: {parametrization: {"sizes": {metric: [[size at step t for t] per width]}, "exponents":
-    {metric: [a at step t, t = 1..steps]}, "flat": {metric: every |a| < FLAT}}}, plus the setup."""
+    {metric: [a at step t, t = 1..steps]}, "flat": {metric: |mean a| < FLAT}}}, plus the setup."""
     widths = sorted(widths)
     base = base_width or widths[0]
     cfg = load_config([*overrides, "scheduler=constant", "scheduler.warmup_steps=1", f"optim.lr={lr}",
@@ -119,7 +120,7 @@ def coord_check(widths: list[int], *, steps: int = 10, seeds: int = 3, lr: float
         exps = {k: [exponent(widths, [sizes[k][i][t] for i in range(len(widths))]) for t in range(1, steps + 1)]
                 for k in METRICS}
         out[param] = {"sizes": sizes, "exponents": exps,
-                      "flat": {k: all(abs(a) < FLAT for a in exps[k]) for k in METRICS},
+                      "flat": {k: abs(sum(exps[k]) / len(exps[k])) < FLAT for k in METRICS},
                       "spread": {k: max(s[-1] for s in sizes[k]) / min(s[-1] for s in sizes[k]) for k in METRICS}}
     return out
 
@@ -181,7 +182,7 @@ def run(args) -> dict:
     notes = [f"widths {result['widths']}, base width {result['base_width']}, {result['steps']} AdamW steps at lr "
              f"{result['lr']:g} (no clipping), {result['seeds']} seeds, batch {result['batch_size']} x "
              f"{result['seq_len']} tokens of the embedded corpus; exponent a: size ~ width^a fitted at each step 1.."
-             f"{result['steps']}; flat: |a| < {FLAT} at every step (µP predicts 0, the standard parametrization 1 "
-             f"for the updates).", f"![coordinate check]({path.name})"]
+             f"{result['steps']}; flat: |mean a| < {FLAT} (µP predicts 0, the standard parametrization 1 for the "
+             f"updates).", f"![coordinate check]({path.name})"]
     return {"title": "µP coordinate check", "columns": list(rows[0]), "rows": rows, "notes": notes,
             "result": result, "plot": str(path), "finite": all(math.isfinite(r["exponent (mean)"]) for r in rows)}

@@ -43,7 +43,7 @@ class AttentionConfig:
     n_kv_heads: Optional[int] = None  # overrides model.n_kv_heads for this mixer (mha/mqa force theirs)
     qkv_bias: bool = False
     out_bias: bool = False
-    softmax_scale: Optional[float] = None  # default head_dim ** -0.5
+    softmax_scale: Optional[float] = None  # default head_dim ** -0.5; µP: softmax_scale / head_dim (null: 1)
     causal: bool = True
     conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
     conv_bias: bool = False
@@ -96,7 +96,8 @@ class Attention(Mixer):
         self.n_heads = model_cfg.n_heads
         self.n_kv_heads = cfg.kv_heads(model_cfg)
         self.head_dim = model_cfg.head_dim  # resolved by config.resolve_model
-        self.scale = self.mup_qk_scale(model_cfg, self.head_dim, cfg.softmax_scale)  # None: head_dim^-1/2
+        # None: head_dim^-1/2; µP: softmax_scale / head_dim (1 / head_dim by default)
+        self.scale = self.mup_qk_scale(model_cfg, self.head_dim, cfg.softmax_scale, cfg.softmax_scale)
         self.causal = cfg.causal
         self.dropout = model_cfg.dropout
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim

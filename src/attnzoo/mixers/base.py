@@ -99,13 +99,14 @@ class Mixer(nn.Module):
         self.kernel_request: str = getattr(model_cfg, "impl", "auto")
         self.input_conv: Optional[nn.Module] = None
 
-    def mup_qk_scale(self, model_cfg: Any, d: int, scale: Optional[float]) -> Optional[float]:
-        """The q.k scale this layer applies: `scale` as configured (None: the kernel's d^-1/2), times d^-1/2 under
-        model.parametrization=mup when `mup_qk_grows(cfg)` (softmax attention: 1/d, as Yang et al. 2022 and the mup
-        package)."""
+    def mup_qk_scale(self, model_cfg: Any, d: int, scale: Optional[float],
+                     multiplier: Optional[float] = None) -> Optional[float]:
+        """The q.k scale this layer applies: `scale`, the standard parametrization's (None: the kernel's d^-1/2); under
+        model.parametrization=mup where `mup_qk_grows(cfg)`, multiplier / d instead (softmax attention: 1/d, as Yang
+        et al. 2022; `multiplier`: the config's own scale field, None = 1, as mup's attn_mult in attn_mult / d)."""
         if getattr(model_cfg, "parametrization", "standard") != "mup" or not self.mup_qk_grows(self.cfg):
             return scale
-        return 1.0 / d if scale is None else scale / d**0.5
+        return (1.0 if multiplier is None else multiplier) / d
 
     # ------------------------------------------------------------------ short conv on the mixer input
     def build_input_conv(self, conv_size: int, bias: bool = False) -> None:

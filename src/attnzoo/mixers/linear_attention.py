@@ -87,7 +87,7 @@ class LinearAttention(RecurrentMixer):
         self.chunk_size, self.normalize, self.eps = cfg.chunk_size, cfg.normalize, cfg.norm_eps
         self.phi_dim = feature_dim_out(cfg.feature_map, fd)
         default_scale = 1.0 if cfg.feature_map == "taylor2" else fd**-0.5
-        self.scale = self.mup_qk_scale(model_cfg, fd, default_scale if cfg.scale is None else cfg.scale)
+        self.scale = self.mup_qk_scale(model_cfg, fd, default_scale if cfg.scale is None else cfg.scale, cfg.scale)
         self.build(
             n_qk_heads=h, n_v_heads=h, qk_dim=fd, v_dim=dv,
             state_shape=(self.phi_dim, dv + int(cfg.normalize)),  # + the key-sum column when normalising

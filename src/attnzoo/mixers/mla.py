@@ -76,7 +76,7 @@ class MLAConfig:
     qk_nope_head_dim: Optional[int] = None  # per-head key/query dims without position; null: head_dim
     qk_rope_head_dim: Optional[int] = None  # d_r, the decoupled RoPE dims (key shared by heads); null: head_dim / 2
     v_head_dim: Optional[int] = None  # null: head_dim
-    softmax_scale: Optional[float] = None  # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    softmax_scale: Optional[float] = None  # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5; µP: it / that sum
     rope_interleave: bool = False  # rotate (x0,x1),(x2,x3).. pairs as DeepSeek checkpoints (HF rope_interleave)
     absorb: str = "decode"  # decode: absorbed form for one-token cached steps | always | never
     bias: bool = False  # biases on q_a_proj, kv_a_proj, o_proj (HF attention_bias)
@@ -133,7 +133,8 @@ class MLA(Mixer):
         self.n_heads = H
         self.q_lora_rank, self.kv_lora_rank = s["q_lora_rank"], s["kv_lora_rank"]
         self.dn, self.dr, self.dv = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["v_head_dim"]
-        self.scale = self.mup_qk_scale(model_cfg, self.dn + self.dr, cfg.softmax_scale or (self.dn + self.dr) ** -0.5)
+        self.scale = self.mup_qk_scale(model_cfg, self.dn + self.dr, cfg.softmax_scale or (self.dn + self.dr) ** -0.5,
+                                       cfg.softmax_scale)
         self.dropout = model_cfg.dropout
         qk = self.dn + self.dr
         if self.q_lora_rank is None:

@@ -111,6 +111,7 @@ class LoRA(nn.Module):
         up = torch.empty(d_out, rank)  # fla's lora[2].weight
         nn.init.orthogonal_(up, gain=0.1 * (math.sqrt(rank / d_out) if rank > d_out else 1.0))
         self.up = nn.Parameter(up.T.contiguous())
+        self.down._fan_in_dim = self.up._fan_in_dim = 0  # input-major (x @ W): µP's fan-in (models/mup.py)
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

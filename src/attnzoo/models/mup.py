@@ -9,8 +9,10 @@ Transformer trained with AdamW, with the width multiplier m = d_model / model.mu
 
   weights whose fan-in grows with the width (q/k/v/o, FFN, MoE experts and router, gate projections; found as
   `mup.set_base_shapes` finds its "infinite" dimensions: the model is built again, on the meta device, at twice the
-  width, and a weight whose fan-in - dim 1 in every layout here: nn.Linear (out, in), the MoE experts (E, in, out),
-  the short conv (channels, taps) - differs there is one):
+  width; a weight with two or more dimensions that differ there is a hidden matrix, and one with a single such
+  dimension counts when that dimension is its fan-in - dim 1 of an nn.Linear (out, in), or the dim a raw parameter
+  declares as `_fan_in_dim` (e.g. an input-major LoRA, x @ W: 0); undeclared raw parameters with one growing
+  dimension (a short conv's (channels, taps), a per-head (heads, head_dim) vector) are vectors):
       init N(0, init_std^2 / m): model.init_std is the std at the base width, so std ~ 1/sqrt(fan_in) (GPT-2's
       1/sqrt(2 n_layers) on residual outputs kept); AdamW learning rate optim.lr / m; weight decay
       optim.weight_decay * m, so lr x wd, the fraction decayed per step, stays put (MuAdamW's default)
@@ -49,13 +51,21 @@ def delta_config(cfg: Any) -> Any:
 
 
 def fan_in_grows(model: nn.Module, delta: nn.Module) -> list[str]:
-    """Names of `model`'s weights whose fan-in (dim 1) differs in `delta`, the same model at another width: the
-    hidden (and output-like) matrices µP scales. Embedding tables (fan-in: the vocabulary or the positions) and the
-    readout (scaled by its multiplier instead) are never among them."""
+    """Names of `model`'s weights whose fan-in grows: the hidden (and output-like) matrices µP scales, found against
+    `delta`, the same model at another width (the module docstring says how). Embedding tables (fan-in: the
+    vocabulary or the positions) and the readout (scaled by its multiplier instead) are never among them."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} | {id(model.lm_head.weight)}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     other = dict(delta.named_parameters())
-    return [name for name, p in model.named_parameters()
-            if p.dim() >= 2 and id(p) not in tables and other[name].shape[1] != p.shape[1]]
+    out = []
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or id(p) in tables:
+            continue
+        grows = [i for i, (a, b) in enumerate(zip(p.shape, other[name].shape)) if a != b]
+        fan_in = getattr(p, "_fan_in_dim", 1 if id(p) in linear else None)
+        if len(grows) >= 2 or (fan_in is not None and grows == [fan_in]):
+            out.append(name)
+    return out
 
 
 def apply(model: nn.Module, delta: nn.Module) -> float:
