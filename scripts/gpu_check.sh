@@ -21,9 +21,9 @@ if [ "$DEVICE" = cuda ]; then
     echo "gpu_check: no CUDA device is visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)); this script needs one GPU" >&2
     exit 2
   }
-  QUICK=(); TRAINER=(trainer=gpu); FSDP=(trainer=fsdp trainer.devices=1)
+  QUICK=(); TRAINER=(trainer=gpu); FSDP=(trainer=fsdp trainer.devices=1 trainer.fsdp.param_dtype=null)
 else
-  QUICK=(--quick); TRAINER=(); FSDP=(trainer=fsdp_cpu trainer.devices=1)
+  QUICK=(--quick); TRAINER=(); FSDP=(trainer=fsdp_cpu trainer.devices=1 trainer.fsdp.param_dtype=null)
 fi
 mkdir -p "$OUT"
 BENCH=("$PY" -m attnzoo.bench)
@@ -55,7 +55,7 @@ done
 
 step "5/5 FSDP2 on 1 device vs plain (limit 90 s each), bytes per parameter (limit 90 s)"
 FSDP_RUN=(-m attnzoo.cli.train debug=smoke data.tokenizer=char trainer.max_steps=8 trainer.log_every_n_steps=1
-          trainer.precision=32-true trainer.fsdp.param_dtype=null perf.measure_decode=false sample.max_new_tokens=0)
+          trainer.precision=32-true perf.measure_decode=false sample.max_new_tokens=0)
 run 90 "$PY" "${FSDP_RUN[@]}" "${TRAINER[@]}" hydra.run.dir="$OUT/fsdp/plain"
 run 90 "$PY" "${FSDP_RUN[@]}" "${FSDP[@]}" hydra.run.dir="$OUT/fsdp/fsdp"
 "$PY" - "$OUT/fsdp" <<'PYEOF' || bench=3
