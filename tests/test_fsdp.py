@@ -278,3 +278,41 @@ def test_fsdp_with_memory_options_and_context_parallel_logs_ddps_losses(combo, t
     train(compose_cfg(base + ["trainer=ddp_cpu", "data.batch_size=4"], tmp_path / "ddp"))
     torch.testing.assert_close(losses(tmp_path / "fsdp"), losses(tmp_path / "ddp"), atol=atol, rtol=0)
     torch.testing.assert_close(losses(tmp_path / "fsdp"), ref, atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------- parameter flags survive sharding
+def _groups_worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    import json as _json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from attnzoo.bench.context_parallel import _init
+    from attnzoo.config.schema import FSDPConfig
+    from attnzoo.distributed.fsdp import shard_model
+    from attnzoo.models.decoder import DecoderLM
+    from attnzoo.training.lit_lm import param_groups
+
+    _init(rank, world, port, 1)
+
+    def summary(model) -> list:
+        return [(len(g["params"]), g["weight_decay"], g.get("lr")) for g in param_groups(model, 0.1, 1e-3)]
+
+    torch.manual_seed(0)
+    plain = summary(DecoderLM(spec, vocab_size=64))
+    torch.manual_seed(0)
+    sharded = summary(shard_model(DecoderLM(spec, vocab_size=64), init_device_mesh("cpu", (world,)), FSDPConfig()))
+    Path(f"{out}.{rank}").write_text(_json.dumps({"plain": plain, "sharded": sharded}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sharding_keeps_the_optimizer_groups_parameter_flags_make():
+    """fully_shard replaces every Parameter: Gated DeltaNet's `_no_weight_decay` and µP's `_lr_scale` / `_wd_scale`
+    flags are carried over, so AdamW gets the same groups (sizes, weight decay, learning rates) as without FSDP."""
+    from attnzoo.bench.common import spawn_ranks
+
+    spec = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": "gated_deltanet"},
+            "ffn": {"name": "swiglu"}, "parametrization": "mup", "mup_base_width": 16, "tie_embeddings": False}
+    row = spawn_ranks(_groups_worker, 2, spec)[0]
+    assert row["sharded"] == row["plain"] and len(row["plain"]) >= 3  # decayed, not decayed, µP's scaled groups

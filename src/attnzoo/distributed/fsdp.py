@@ -13,8 +13,6 @@ from torch import nn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by the coordinator
-# per-parameter flags the optimizer groups read (training/lit_lm.param_groups); fully_shard makes new Parameters
-PARAM_FLAGS = ("_no_weight_decay", "_lr_scale")
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -25,12 +23,14 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 def shard_model(model: nn.Module, mesh, cfg) -> nn.Module:
     """`fully_shard` each block (`model.blocks`), then the root, with trainer.fsdp's mixed-precision and offload
-    policies; in place (also returned). Parameter flags (`_no_weight_decay`, `_lr_scale`) carry over to the sharded
-    parameters."""
+    policies; in place (also returned). Parameter flags (every attribute set on a parameter) carry over to the
+    sharded parameters."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
 
-    flags = {name: {f: getattr(p, f) for f in PARAM_FLAGS if hasattr(p, f)} for name, p in model.named_parameters()}
+    # fully_shard makes new Parameters: the flags set on the old ones (the optimizer groups' `_no_weight_decay`,
+    # `_lr_scale`, µP's `_wd_scale`: training/lit_lm.param_groups) are copied over, whatever they are
+    flags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     param_dtype = DTYPES.get(cfg.param_dtype) if cfg.param_dtype else None
     reduce_dtype = DTYPES.get(cfg.reduce_dtype) if cfg.reduce_dtype else None
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
