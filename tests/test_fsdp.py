@@ -199,7 +199,6 @@ def test_named_optimizer_state_becomes_torch_optims_indexed_form():
     (["trainer.fsdp.cpu_offload=true"], r"trainer.fsdp.cpu_offload: true on a CPU run .*allowed: false"),
     (["trainer.fsdp.reduce_dtype=int8"], r"trainer.fsdp.reduce_dtype: got 'int8'; allowed: null .*bf16, fp16, fp32"),
     (["trainer.context_parallel=3"], r"trainer.context_parallel: 3 does not divide the 2 processes"),
-    (["trainer.num_nodes=2"], r"trainer.num_nodes: 2 nodes need one launch per node .*allowed here: 1"),
     (["model=encdec", "data=reversal"], r"trainer.strategy: fsdp shards decoder LMs .*allowed with model=encdec: ddp"),
 ])
 def test_fsdp_refusals(overrides, match, tmp_path):
@@ -316,3 +315,12 @@ def test_sharding_keeps_the_optimizer_groups_parameter_flags_make():
             "ffn": {"name": "swiglu"}, "parametrization": "mup", "mup_base_width": 16, "tie_embeddings": False}
     row = spawn_ranks(_groups_worker, 2, spec)[0]
     assert row["sharded"] == row["plain"] and len(row["plain"]) >= 3  # decayed, not decayed, µP's scaled groups
+
+
+def test_several_nodes_without_torchrun_or_srun_are_refused_at_launch(tmp_path):
+    """The config is valid (torchrun / srun run it on every node); started alone it is refused before any work."""
+    cfg = compose_cfg(["debug=smoke", "trainer=fsdp_cpu", "trainer.num_nodes=2"], tmp_path / "run")
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"^trainer.num_nodes: 2 nodes need one launch per node .*allowed here: 1$"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

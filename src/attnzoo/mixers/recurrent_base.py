@@ -180,6 +180,15 @@ class RecurrentMixer(Mixer):
             o = o * F.silu(upcast(gate))
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
+    def form(self, cp, cache, T: int) -> str:
+        """Which form a call runs: "cp" (context-parallel state passing), "reference" (impl=reference: the per-token
+        recurrence), "step" (a one-token decode with a cache) or "chunk" (the chunkwise-parallel form)."""
+        if cp is not None:
+            return "cp"
+        if self.impl == "reference":
+            return "reference"
+        return "step" if (cache is not None and T == 1) else "chunk"
+
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[RecurrentStateCache] = None):
         T = x.shape[1]
         qkv = self.qkv(x)
@@ -192,12 +201,7 @@ class RecurrentMixer(Mixer):
                 cache.conv_tail = tail.to(cache.conv_tail.dtype)
         q, k, v = self._heads(qkv)
         q, k = self.rotate(q, k, positions)
-        if cp is not None:
-            mode = "cp"
-        elif self.impl == "reference":
-            mode = "reference"
-        else:
-            mode = "step" if (cache is not None and T == 1) else "chunk"
+        mode = self.form(cp, cache, T)
         o, state = self.mix(q, k, v, x, None if cache is None else cache.state, mode)
         if cache is not None:
             cache.state = state.to(cache.state.dtype)

@@ -250,12 +250,7 @@ class RWKV7(RecurrentMixer):
             if cache is not None:
                 cache.shift_tail = tail.to(cache.shift_tail.dtype)
         r, w, k, v, kk, lr, gate = self.features(h, prev)
-        if cp is not None:
-            mode = "cp"
-        elif self.impl == "reference":
-            mode = "reference"
-        else:
-            mode = "step" if (cache is not None and T == 1) else "chunk"
+        mode = self.form(cp, cache, T)
         o, state = self.run(mode, x, None if cache is None else cache.state, None, r, w, k, v, kk, lr)
         if cache is not None:
             cache.state = state.to(cache.state.dtype)

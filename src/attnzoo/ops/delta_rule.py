@@ -201,20 +201,29 @@ def chunk_delta_rule(
     b, KW = Mb.split([Dv, Dk], dim=-1)
     eye = torch.eye(Dk, dtype=k.dtype, device=k.device)
     M = (eye if chunk_decay is None else chunk_decay[..., None, None] * eye) - KW
-    # unbind, not M[:, i]: indexing in a loop makes autograd add N full-size zero tensors in backward
-    Ms = M.reshape(B * H, N, Dk, Dk).unbind(1)
-    bs = b.reshape(B * H, N, Dk, Dv).unbind(1)
-    S = k.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(k.dtype)
-    keep = None if resets is None else (~resets).to(k.dtype).repeat_interleave(H, dim=0).unbind(1)  # (B*H,) per chunk
-    starts = []
-    for i in range(N):
-        if keep is not None:
-            S = S * keep[i][:, None, None]
-        starts.append(S)
-        S = torch.baddbmm(bs[i], Ms[i], S)
-    S0 = torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv)
+    S0, S = scan_chunk_states(M, b, initial_state, resets)
 
     u = U - W @ S0
     o = qd @ S0 + P @ u  # (B, H, N, C, Dv)
     o = o.reshape(B, H, N * C, Dv)[:, :, :T]
     return o, S.reshape(B, H, Dk, Dv)
+
+
+def scan_chunk_states(M: torch.Tensor, c: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                      resets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one sequential part of a chunkwise form: the state entering each chunk under S_next = M_i S + c_i.
+    M (B, H, N, Dk, Dk), c (B, H, N, Dk, Dv) per chunk; resets (B, N) bool zero the state entering a chunk (a packed
+    document starts there). Returns (the N entering states (B, H, N, Dk, Dv), the final state (B*H, Dk, Dv))."""
+    B, H, N, Dk, Dv = c.shape
+    # unbind, not M[:, i]: indexing in a loop makes autograd add N full-size zero tensors in backward
+    Ms = M.reshape(B * H, N, Dk, Dk).unbind(1)
+    cs = c.reshape(B * H, N, Dk, Dv).unbind(1)
+    S = c.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(c.dtype)
+    keep = None if resets is None else (~resets).to(c.dtype).repeat_interleave(H, dim=0).unbind(1)  # (B*H,) per chunk
+    starts = []
+    for i in range(N):
+        if keep is not None:
+            S = S * keep[i][:, None, None]
+        starts.append(S)
+        S = torch.baddbmm(cs[i], Ms[i], S)
+    return torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv), S

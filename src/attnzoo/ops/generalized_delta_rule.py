@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from attnzoo.ops.delta_rule import decay_exp, solve_unit_lower
+from attnzoo.ops.delta_rule import decay_exp, scan_chunk_states, solve_unit_lower
 
 
 def generalized_delta_rule_step(
@@ -116,18 +116,7 @@ def chunk_generalized_delta_rule(
     BdUW = (b * to_end).transpose(-1, -2) @ UW  # (B, H, N, Dk, Dv + Dk): [Bd^T U | Bd^T W]
     c = (k * to_end).transpose(-1, -2) @ v + BdUW[..., :Dv]
     M = torch.diag_embed(decay_exp(G[..., -1, :])) + BdUW[..., Dv:]
-    # unbind, not M[:, i]: indexing in a loop makes autograd add N full-size zero tensors in backward
-    Ms = M.reshape(B * H, N, Dk, Dk).unbind(1)
-    cs = c.reshape(B * H, N, Dk, Dv).unbind(1)
-    S = k.new_zeros(B * H, Dk, Dv) if initial_state is None else initial_state.reshape(B * H, Dk, Dv).to(k.dtype)
-    keep = None if resets is None else (~resets).to(k.dtype).repeat_interleave(H, dim=0).unbind(1)  # (B*H,) per chunk
-    starts = []
-    for i in range(N):
-        if keep is not None:
-            S = S * keep[i][:, None, None]
-        starts.append(S)
-        S = torch.baddbmm(cs[i], Ms[i], S)
-    S0 = torch.stack(starts, dim=1).reshape(B, H, N, Dk, Dv)
+    S0, S = scan_chunk_states(M, c, initial_state, resets)
 
     u = U + W @ S0  # (B, H, N, C, Dv): every token's low-rank read
     o = (q * decay_exp(G)) @ S0 + A_qk @ v + A_qb @ u

@@ -18,7 +18,7 @@ from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
-from attnzoo.training.launch import is_data_parallel, launched_externally, requested_devices
+from attnzoo.training.launch import is_data_parallel, requested_devices
 
 
 def _check_trainer(t: TrainerConfig) -> None:
@@ -56,12 +56,9 @@ FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")  # Lightning's Mo
 
 def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
     """trainer.strategy=fsdp (training/fsdp.py): its options, a decoder LM, precisions Lightning's FSDP2 strategy runs,
-    host offload for GPU runs only, every node's processes started by a launcher. fsdp.param_dtype with an autocast
+    host offload for GPU runs only (several nodes need torchrun / srun: launch.check_launchable). fsdp.param_dtype with an autocast
     precision (bf16-mixed) is allowed: the weights are gathered in param_dtype, autocast picks each op's dtype."""
     strategy = str(t.strategy or "auto")
-    check(t.num_nodes == 1 or launched_externally(), "trainer.num_nodes",
-          f"{t.num_nodes} nodes need one launch per node (torchrun --nnodes {t.num_nodes} or srun; docs/distributed.md)"
-          f"; allowed here: 1")
     if strategy != "fsdp":
         return
     f = t.fsdp

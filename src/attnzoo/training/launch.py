@@ -83,6 +83,12 @@ def check_launchable(trainer_cfg) -> None:
     from attnzoo.config.errors import check
 
     strategy = str(trainer_cfg.strategy or "auto")
+    nodes = trainer_cfg.num_nodes
+    # several nodes: each node's processes come from torchrun / srun (run time, not config: the same config is valid
+    # under the launcher); without one, Lightning would re-run this command per rank on this node alone
+    check(nodes == 1 or launched_externally(), "trainer.num_nodes",
+          f"{nodes} nodes need one launch per node (torchrun --nnodes {nodes} or srun; docs/distributed.md); "
+          f"allowed here: 1")
     if is_data_parallel(strategy) or launched_externally():
         return
     n = requested_devices(trainer_cfg)
