@@ -47,7 +47,8 @@ def run_cli(args, env, **kw):
 
 def ckpt_step(path: Path) -> int:
     try:
-        return int(torch.load(path, weights_only=True, map_location="cpu")["global_step"])
+        meta = path / "meta.pt" if path.is_dir() else path  # a sharded checkpoint (trainer=fsdp): its meta.pt
+        return int(torch.load(meta, weights_only=True, map_location="cpu")["global_step"])
     except Exception:  # noqa: BLE001 - absent, or being replaced right now
         return -1
 
@@ -68,7 +69,8 @@ def trial(feature: list, work: Path, ref: tuple, env: dict, rng: random.Random) 
     while ckpt_step(run / "checkpoints" / "last.ckpt") < target and p.poll() is None and time.time() - start < 300:
         time.sleep(0.05)
     time.sleep(rng.random() * 0.05)  # land anywhere in the next step or two, a checkpoint write included
-    os.killpg(p.pid, signal.SIGKILL)
+    if p.poll() is None:  # it may have finished first (a target past its last checkpoint)
+        os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     killed_at = ckpt_step(run / "checkpoints" / "last.ckpt")
     r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=env, capture_output=True,
