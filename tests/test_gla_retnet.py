@@ -54,18 +54,7 @@ CASES = {
 def test_chunk_equals_recurrent_fp64_outputs_and_gradients(case):
     T, C, per_key, init, g_scale = CASES[case]
     args = [x if x is None else x.requires_grad_() for x in inputs(T=T, per_key=per_key, init=init, g_scale=g_scale)]
-    o_ref, s_ref = gated_linear_attention_recurrent(*args)
-    o, s = chunk_gated_linear_attention(*args, chunk_size=C)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    torch.testing.assert_close(o, o_ref, **F64)
-    torch.testing.assert_close(s, s_ref, **F64)
-    wo, ws = torch.randn_like(o), torch.randn_like(s)
-    leaves = [x for x in args if x is not None]
-    g_ref = torch.autograd.grad((o_ref * wo).sum() + (s_ref * ws).sum(), leaves)
-    g_chunk = torch.autograd.grad((o * wo).sum() + (s * ws).sum(), leaves)
-    for a, b in zip(g_ref, g_chunk):
-        assert torch.isfinite(b).all()
-        torch.testing.assert_close(b, a, **F64)
+    assert_forms_agree(args, gated_linear_attention_recurrent(*args), chunk_gated_linear_attention(*args, chunk_size=C))
 
 
 @pytest.mark.parametrize("per_key", [True, False], ids=["perkey", "perhead"])
@@ -223,3 +212,19 @@ def test_cache_holds_the_state_and_conv_tail(name):
     with torch.no_grad():
         m(torch.randint(0, 64, (2, 10)), cache=cache)
     assert cache.nbytes() == m.cache_bytes(10, batch=2)
+
+
+def assert_forms_agree(args: list, ref: tuple, fast: tuple) -> None:
+    """Two forms' (output, final state) on the same inputs `args` agree in fp64 (1e-10), and so do the gradients of a
+    random linear loss over both w.r.t. every input."""
+    (o_ref, s_ref), (o, s) = ref, fast
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, o_ref, **F64)
+    torch.testing.assert_close(s, s_ref, **F64)
+    wo, ws = torch.randn_like(o), torch.randn_like(s)
+    leaves = [x for x in args if x is not None]
+    g_ref = torch.autograd.grad((o_ref * wo).sum() + (s_ref * ws).sum(), leaves)
+    g_chunk = torch.autograd.grad((o * wo).sum() + (s * ws).sum(), leaves)
+    for a, b in zip(g_ref, g_chunk):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, **F64)

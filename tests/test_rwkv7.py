@@ -25,6 +25,7 @@ from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, ge
                                                 generalized_delta_rule_step)
 from tests.conftest import gap_atol, tiny_model_cfg
 from tests.test_delta_rule import _fla_naive
+from tests.test_gla_retnet import assert_forms_agree
 from tests.test_hgrn2_mamba2 import _layer, _x, check_chunk_equals_recurrent, check_decode_equals_full
 from tests.test_packing import _model, packed_ids, strategy  # noqa: F401  (strategy: a fixture used below)
 from tests.test_packing import test_a_packed_batch_equals_each_document_alone as packed_equals_alone
@@ -65,18 +66,8 @@ CASES = {
 def test_chunk_equals_recurrent_fp64_outputs_and_gradients(case):
     T, C, rwkv, init, g_scale = CASES[case]
     args = [x if x is None else x.requires_grad_() for x in inputs(T=T, rwkv=rwkv, init=init, g_scale=g_scale)]
-    o_ref, s_ref = generalized_delta_rule_recurrent(*args, scale=1.0)
-    o, s = chunk_generalized_delta_rule(*args, scale=1.0, chunk_size=C)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    torch.testing.assert_close(o, o_ref, **F64)
-    torch.testing.assert_close(s, s_ref, **F64)
-    wo, ws = torch.randn_like(o), torch.randn_like(s)
-    leaves = [x for x in args if x is not None]
-    g_ref = torch.autograd.grad((o_ref * wo).sum() + (s_ref * ws).sum(), leaves)
-    g_chunk = torch.autograd.grad((o * wo).sum() + (s * ws).sum(), leaves)
-    for a, b in zip(g_ref, g_chunk):
-        assert torch.isfinite(b).all()
-        torch.testing.assert_close(b, a, **F64)
+    assert_forms_agree(args, generalized_delta_rule_recurrent(*args, scale=1.0),
+                       chunk_generalized_delta_rule(*args, scale=1.0, chunk_size=C))
 
 
 def test_the_step_is_the_papers_rule():
