@@ -32,7 +32,7 @@ from attnzoo.ops.sliding_window import sliding_window_sdpa
 from attnzoo.ops.dispatch import mixer_kernel
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache
+from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache, StaticKVCache
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, Mixer, causal_attended, dtype_bytes,
                                  validate_conv)
 
@@ -214,14 +214,46 @@ class Attention(Mixer):
         T = x.shape[1]
         x = self.shift(x, cache)
         q, k, v = self.project(x, positions)
+        if cache is not None and cache.static:
+            return self.output(self.attend_static(q, k, v, positions, cache), x)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.attend(q, k, v, q_offset=k.shape[2] - T)  # (B, H, T, D)
         return self.output(y, x)
 
+    def attend_static(self, q, k, v, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Attention through a `StaticKVCache` (positions (B, T) or (T,)). A chunk that starts every row (a prompt's
+        prefill, eager): the mixer's own attention over its keys, then written. Otherwise (a decode step, the
+        compiled path; or a chunk continuing a full-attention cache): written first, then every slot read under
+        the mask of the position it holds (and ALiBi's distances from those positions)."""
+        positions = positions.expand(q.shape[0], -1) if positions.dim() == 1 else positions
+        T = q.shape[2]
+        if T > 1 and int(positions[:, 0].max()) == 0:
+            y = self.attend_alone(q, k, v)
+            cache.write(k, v, positions)
+            return y
+        if T > 1 and cache.ring:
+            raise ValueError("a sliding-window static cache continues one token at a time after its prefill")
+        cache.write(k, v, positions)
+        keys, values, held = cache.keys(positions[:, -1])
+        visible = (held[:, None, :] >= 0) & (held[:, None, :] <= positions[:, :, None])  # (B, T, S)
+        bias = None
+        if self.alibi is not None:
+            dist = (positions[:, :, None] - held[:, None, :]).abs().to(q.dtype)
+            bias = -self.alibi.to(q.dtype)[None, :, None, None] * dist[:, None]  # (B, H, T, S)
+        return static_attention(q, keys.to(q.dtype), values.to(q.dtype), visible, bias=bias, scale=self.scale,
+                                reference=self.impl == "reference")
+
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> KVCache:
         # kv_format (attnzoo.mixers.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
         return KVCache() if kv_format is None else kv_format.new_cache()
+
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> StaticKVCache:
+        """Keys/values for positions 0 .. max_len - 1 (a sliding window: a ring of W slots, + the sinks)."""
+        tail = None if self.input_conv is None else self.input_conv.empty_tail(batch, dtype, device)
+        slots = max_len if self.window is None else self.window
+        return StaticKVCache(batch, self.n_kv_heads, slots, self.head_dim, dtype, device, window=self.window,
+                             sinks=self.sinks, conv_tail=tail)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
         if kv_format is None:
@@ -271,6 +303,23 @@ def sink_window_attention(q, k, v, *, q_start: int, key_start: Optional[int], wi
     if reference:
         return attention_reference(q, k, v, mask=mask, scale=scale)
     return attention_sdpa(q, k, v, causal=False, scale=scale, dropout_p=dropout_p, mask=mask)
+
+
+def static_attention(q, k, v, visible: torch.Tensor, *, bias=None, scale=None, reference: bool = False) -> torch.Tensor:
+    """q (B, H, T, D) over every slot of a static cache k/v (B, Hkv, S, D) where `visible` (B, T, S); bias (B, H,
+    T, S) or None. The query heads of a group become query rows of their KV head ((B, Hkv, G*T, D), as in
+    decode_sdpa), so the cache is read once, not copied H/Hkv times. Reference: `attention_reference`."""
+    if reference:
+        return attention_reference(q, k, v, mask=visible[:, None], scale=scale, bias=bias)
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if bias is None:
+        mask = visible[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    else:
+        mask = bias.view(B, Hkv, G, T, S).masked_fill(~visible[:, None, None], float("-inf")).reshape(B, Hkv, G * T, S)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, H, T, v.shape[-1])
 
 
 def decode_sdpa(q, k, v, *, scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
@@ -326,7 +375,8 @@ class SlidingWindowAttention(Attention):
         self.sinks = cfg.sink_tokens
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[SlidingWindowCache] = None):
-        if not self.sinks or (cache is None and parallel.active() is not None):
+        static = cache is not None and cache.static  # Attention.attend_static: the ring and sinks by their mask
+        if not self.sinks or static or (cache is None and parallel.active() is not None):
             return super().forward(x, positions=positions, cache=cache)
         # with attention sinks (Xiao et al. 2023, StreamingLLM): key j is visible to query i when
         # i - W < j <= i (the window) or j < sinks (a sink); the cache keeps the sinks beside the ring

@@ -150,3 +150,71 @@ class SlidingWindowCache(LayerCache):
         self.k = k_all[:, :, -W:].roll(shift, dims=2)
         self.v = v_all[:, :, -W:].roll(shift, dims=2)
         return k_all, v_all
+
+
+class StaticKVCache(LayerCache):
+    """The static cache of softmax attention (`Attention.new_static_cache`; layers/kv_cache.StaticModelCache):
+    k, v (B, Hkv, S, D) allocated once and written in place at each row's positions.
+
+    Full attention: S = the longest context, slot s holds position s. Sliding window (`window` W): a ring, S = W,
+    slot s holds the latest position p = s (mod W); the first `sinks` tokens (StreamingLLM) also sit in
+    sink_k / sink_v (B, Hkv, sinks, D), read once they have left the window. Keys are stored after RoPE.
+    `key_positions` says which position each key holds (-1: none yet), so the attention mask is a function of
+    tensors and one compiled step serves every position."""
+
+    static = True
+
+    def __init__(self, batch: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
+                 window: Optional[int] = None, sinks: int = 0, conv_tail: Optional[torch.Tensor] = None) -> None:
+        shape = (batch, n_kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window, self.sinks = window, sinks
+        sink_shape = (batch, n_kv_heads, sinks, head_dim)
+        self.sink_k = torch.zeros(sink_shape, dtype=dtype, device=device) if sinks else None
+        self.sink_v = torch.zeros(sink_shape, dtype=dtype, device=device) if sinks else None
+        self.conv_tail = conv_tail
+
+    @property
+    def ring(self) -> bool:
+        return self.window is not None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """New keys/values (B, Hkv, T, D) at `positions` (B, T), each into its slot (a ring takes the last W of
+        them, so no two share a slot); the first `sinks` positions also into their sink slots."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        if self.sinks:
+            n = min(k.shape[2], self.sinks)
+            p = positions[:, :n]
+            s, keep = p.clamp(max=self.sinks - 1), (p < self.sinks)[..., None, None]  # past the sinks: left as is
+            self.sink_k[rows, :, s] = torch.where(keep, k[:, :, :n].transpose(1, 2).to(self.k.dtype), self.sink_k[rows, :, s])
+            self.sink_v[rows, :, s] = torch.where(keep, v[:, :, :n].transpose(1, 2).to(self.v.dtype), self.sink_v[rows, :, s])
+        S = self.k.shape[2]
+        if self.ring and k.shape[2] > S:
+            k, v, positions = k[:, :, -S:], v[:, :, -S:], positions[:, -S:]
+        slot = positions % S if self.ring else positions
+        self.k[rows, :, slot] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows, :, slot] = v.transpose(1, 2).to(self.v.dtype)
+
+    def keys(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, key_positions (B, S')) once the row's latest token is at `last` (B,): the position each
+        key holds, -1 for a slot not written yet (or, for a sink, one still inside the window: the ring has it)."""
+        S = self.k.shape[2]
+        slot = torch.arange(S, device=last.device)
+        if not self.ring:
+            return self.k, self.v, slot.expand(last.shape[0], S)
+        held = last[:, None] - (last[:, None] - slot) % S  # the latest position = s (mod W), <= last
+        held = held.masked_fill(held < 0, -1)
+        if not self.sinks:
+            return self.k, self.v, held
+        j = torch.arange(self.sinks, device=last.device)
+        sink_pos = torch.where(j[None, :] <= last[:, None] - S, j[None, :], -1)
+        return (torch.cat([self.sink_k, self.k], dim=2), torch.cat([self.sink_v, self.v], dim=2),
+                torch.cat([sink_pos, held], dim=1))
+
+    def filled_bytes(self, lengths: torch.Tensor) -> int:
+        """Per row: min(length, S) slots of k and v (+ min(length, sinks) sink slots) and the conv tail."""
+        per_slot = 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+        held = int(lengths.clamp(max=self.k.shape[2]).sum()) + int(lengths.clamp(max=self.sinks).sum())
+        tail = 0 if self.conv_tail is None else self.conv_tail.numel() * self.conv_tail.element_size()
+        return per_slot * held + tail

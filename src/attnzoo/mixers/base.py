@@ -124,8 +124,8 @@ class Mixer(nn.Module):
         if self.input_conv is None:
             return x
         y, tail = self.input_conv(x, None if cache is None else cache.conv_tail)
-        if cache is not None:
-            cache.conv_tail = tail.contiguous()  # a view of the padded input: own the K-1 columns only
+        if cache is not None:  # a view of the padded input: own the K-1 columns only (a static cache: in place)
+            cache.store("conv_tail", tail.contiguous())
         return y
 
     def input_conv_bytes(self, batch: int, dtype: torch.dtype) -> int:
@@ -200,6 +200,13 @@ class Mixer(nn.Module):
         states are kept in at least fp32). Every tensor it holds is batch-first (beam search reorders dim 0 of
         each) and counted by its `nbytes()`. `kv_quantizable` mixers also take `kv_format=` (mixers/kv_quant.py)."""
         raise NotImplementedError
+
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Any:
+        """The static form of this mixer's cache (layers/kv_cache.StaticModelCache: the compiled decode of
+        attnzoo.inference.decode): `static = True`, every tensor allocated here for positions 0 .. max_len - 1
+        and written in place, no Python number that changes per token. None: this mixer has no static cache yet
+        (decoding uses its dynamic `new_cache`, eager)."""
+        return None
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
         """The bytes this layer's cache holds after `context_len` (>= 0) tokens of `batch` sequences computed in

@@ -128,3 +128,6 @@ class BlockSparseAttention(Attention):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> BlockMeansCache:
         return BlockMeansCache(self.block_size, values=self.cache_values)
+
+    # the block means have no static form yet: decoding keeps the BlockMeansCache, eager
+    new_static_cache = Mixer.new_static_cache

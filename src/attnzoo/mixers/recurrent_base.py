@@ -198,14 +198,14 @@ class RecurrentMixer(Mixer):
         elif self.conv is not None:
             qkv, tail = self.conv(qkv, None if cache is None else cache.conv_tail)
             if cache is not None:
-                cache.conv_tail = tail.to(cache.conv_tail.dtype)
+                cache.store("conv_tail", tail)
         q, k, v = self._heads(qkv)
         q, k = self.rotate(q, k, positions)
         mode = self.form(cp, cache, T)
         o, state = self.mix(q, k, v, x, None if cache is None else cache.state, mode)
         if cache is not None:
-            cache.state = state.to(cache.state.dtype)
-            cache.seen += T
+            cache.store("state", state)
+            cache.tick(T)
         return self._output(o, x)
 
     packing = "native"  # the conv masked at document starts, the recurrence from a zero state per document
@@ -235,6 +235,12 @@ class RecurrentMixer(Mixer):
         state = torch.zeros(batch, self.n_v_heads, *self.state_shape, dtype=state_dtype(dtype), device=device)
         tail = None if self.conv is None else self.conv.empty_tail(batch, dtype, device)
         return RecurrentStateCache(state, tail)
+
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> RecurrentStateCache:
+        """The same fixed-size cache, written in place (`LayerCache.store`)."""
+        cache = self.new_cache(batch, max_len, dtype, device)
+        cache.static = True
+        return cache
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
         """n_v_heads * Dk * Dv state values (>= fp32) + channels * (K-1) conv-tail values: constant in context."""

@@ -245,16 +245,16 @@ class RWKV7(RecurrentMixer):
             if self.input_conv is not None:
                 h, tail = self.input_conv(x, None if cache is None else cache.conv_tail)
                 if cache is not None:
-                    cache.conv_tail = tail.to(cache.conv_tail.dtype)
+                    cache.store("conv_tail", tail)
             prev, tail = self.token_shift(h, None if cache is None else cache.shift_tail)
             if cache is not None:
-                cache.shift_tail = tail.to(cache.shift_tail.dtype)
+                cache.store("shift_tail", tail)
         r, w, k, v, kk, lr, gate = self.features(h, prev)
         mode = self.form(cp, cache, T)
         o, state = self.run(mode, x, None if cache is None else cache.state, None, r, w, k, v, kk, lr)
         if cache is not None:
-            cache.state = state.to(cache.state.dtype)
-            cache.seen += T
+            cache.store("state", state)
+            cache.tick(T)
         return self.readout(o, r, k, v, gate, x)
 
     def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 from attnzoo.layers import aux_loss as hooks
 
 from attnzoo.distributed import context_parallel as parallel
-from attnzoo.layers.kv_cache import ModelCache
+from attnzoo.layers.kv_cache import ModelCache, StaticModelCache
 from attnzoo.config.schema import ModelConfig, layer_mixer_configs, resolve_model
 from attnzoo.layers.ffn import build_ffn
 from attnzoo.mixers.kv_quant import format_kwargs
@@ -21,6 +21,7 @@ from attnzoo.layers.norm import build_norm
 from attnzoo.ops.packing import Documents
 from attnzoo.layers.position import AbsolutePosition
 from attnzoo.config.registry import MIXERS
+from attnzoo.mixers.base import Mixer
 from attnzoo.models import mup
 
 
@@ -152,8 +153,7 @@ class DecoderLM(nn.Module):
                                  "one document per row")
             positions = documents.positions() if positions is None else positions
         if positions is None:
-            start = cache.seq_len if cache is not None else 0
-            positions = torch.arange(start, start + T, device=idx.device)
+            positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         h = self.drop(self.position(self.embed(idx), positions))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
@@ -162,7 +162,7 @@ class DecoderLM(nn.Module):
             else:
                 h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
         if cache is not None:
-            cache.seq_len += T
+            cache.advance(T)
         h = self.norm(h)
         # µP's readout multiplier on the head's input, so the chunked training loss (lm_head.weight) sees it too
         return h if self.readout_multiplier == 1.0 else h * self.readout_multiplier
@@ -218,6 +218,25 @@ class DecoderLM(nn.Module):
         really holds."""
         device = device or self.embed.weight.device
         return ModelCache([m.new_cache(batch, max_len, dtype, device, **format_kwargs(m, kv_format)) for m in self.mixers])
+
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                         device=None) -> Optional[StaticModelCache]:
+        """A `StaticModelCache` for `batch` rows of positions 0 .. max_len - 1 (every buffer allocated now and
+        written in place; each row's position a tensor): the cache of one compiled decode step
+        (attnzoo.inference.decode). None when a layer's mixer has no static cache (`static_cache_missing`)."""
+        if self.static_cache_missing():
+            return None
+        device = device or self.embed.weight.device
+        return StaticModelCache([m.new_static_cache(batch, max_len, dtype, device) for m in self.mixers], batch,
+                                max_len, device)
+
+    def static_cache_missing(self) -> list:
+        """The mixers (names, in layer order, once each) whose caches have no static form (Mixer.new_static_cache)."""
+        missing = []
+        for m, mc in zip(self.mixers, self.layer_mixers):
+            if type(m).new_static_cache is Mixer.new_static_cache and mc.name not in missing:
+                missing.append(mc.name)
+        return missing
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
         return sum(m.cache_bytes(context_len, batch, dtype, **format_kwargs(m, kv_format)) for m in self.mixers)
@@ -292,16 +311,30 @@ def sample_next(
     """One token per row from (B, V) logits: greedy at temperature 0, else top-k then nucleus (top-p)."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filtered_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def filtered_logits(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> torch.Tensor:
+    """(B, V) logits / temperature in fp32, -inf outside the k most likely tokens (ties at the k-th kept), then
+    outside the smallest set of those whose probability reaches top_p (the top token always stays). The settings
+    may be numbers or 0-d tensors (a compiled decode step: no recompile when they change); top_k None or >= V and
+    top_p None or 1 cut nothing."""
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    V = logits.shape[-1]
+    top_k = None if isinstance(top_k, int) and top_k >= V else top_k
+    top_p = None if isinstance(top_p, (int, float)) and top_p >= 1 else top_p
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    if top_k is not None:  # the k-th largest logit, by index into the sorted row (k clamped to 1 .. V)
+        k = torch.as_tensor(top_k, device=logits.device).clamp(1, V)
+        kth = sorted_logits.gather(-1, (k - 1).reshape(1, 1).expand(logits.shape[0], 1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
         probs = F.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
+        p = torch.as_tensor(top_p, device=logits.device)
+        drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
