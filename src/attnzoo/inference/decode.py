@@ -22,6 +22,7 @@ formats for now) decodes through its dynamic cache, eager (`Decoder.path` says w
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -47,6 +48,11 @@ def draw(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k
         return logits.argmax(dim=-1, keepdim=True)
     probs = torch.softmax(filtered_logits(logits, temperature, top_k, top_p), dim=-1)
     return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+def decode_step(model, cache, tokens: torch.Tensor, noise, temperature, top_k, top_p) -> torch.Tensor:
+    """tokens (B, 1) at each row's position in `cache` (advanced in place) -> the next tokens (B, 1) (`draw`)."""
+    return draw(model(tokens, cache=cache)[:, -1], noise, temperature, top_k, top_p)
 
 
 class Decoder:
@@ -78,15 +84,20 @@ class Decoder:
         else:
             self.path = "eager static cache"
         self.compiled = self.cache is not None and compile
-        self._step = torch.compile(self.step, fullgraph=True, dynamic=False, mode=mode, backend=backend) \
-            if self.compiled else self.step
+        self._step = self.step
+        if self.compiled:
+            # torch.compile keeps its graphs (and the recompile limit, 8) per code object: each decoder compiles its
+            # own copy of `decode_step`, so decoders of other models never count as recompiles of this one, and the
+            # graphs go with the decoder
+            own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, "decode_step")
+            step = torch.compile(own, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+            self._step = lambda *a: step(self.model, self.cache, *a)
         self.limit = position_table(model)
 
     # ------------------------------------------------------------------ one step
     def step(self, tokens: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k, top_p) -> torch.Tensor:
         """One decode step of every row: tokens (B, 1) at each row's position -> the next tokens (B, 1)."""
-        logits = self.model(tokens, cache=self.cache)[:, -1]
-        return draw(logits, noise, temperature, top_k, top_p)
+        return decode_step(self.model, self.cache, tokens, noise, temperature, top_k, top_p)
 
     @torch.no_grad()
     def prefill(self, prompts: list, cache=None) -> torch.Tensor:

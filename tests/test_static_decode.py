@@ -1,0 +1,214 @@
+"""Static caches and the compiled decode step (attnzoo.inference.decode): every mixer with a static cache decodes
+through it exactly as the full forward (fp64), rows of other lengths as if each ran alone, measured filled bytes ==
+analytic; one compiled graph serves every position and every prompt (counted by a counting backend, and by the
+real inductor once); sampling inside the step draws from the same filtered distribution as sample_next; eos and stop
+strings end rows; bad input is refused before any work."""
+import pytest
+import torch
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.registry import MIXERS
+from attnzoo.inference.decode import Decoder, draw
+from attnzoo.models.decoder import DecoderLM, filtered_logits, sample_next
+from tests.conftest import gap_atol, tiny_model_cfg
+from tests.test_mixers_contract import MIXER_NAMES, mixer_cfg
+
+V = 64
+STATIC = [n for n in MIXER_NAMES if not DecoderLM(tiny_model_cfg(mixer_cfg(n)), vocab_size=V).static_cache_missing()]
+MISSING = [n for n in MIXERS.names() if n not in STATIC]
+POSITIONS = [{"name": "rope"}, {"name": "alibi"}, {"name": "learned"}, {"name": "sinusoidal"}, {"name": "none"},
+             {"name": "rope", "scaling": "yarn", "factor": 2.0, "original_max_len": 16}]
+
+
+def build(mixer, seed: int = 0, **kw) -> DecoderLM:
+    torch.manual_seed(seed)
+    return DecoderLM(tiny_model_cfg(mixer, max_seq_len=64, **kw), vocab_size=V).eval()
+
+
+def static_decode(m, x: torch.Tensor, prompt_len: int, max_len: int) -> tuple[torch.Tensor, object]:
+    """Logits of x (B, T) through a static cache: the prompt in one call, then one token per call."""
+    cache = m.new_static_cache(x.shape[0], max_len, m.embed.weight.dtype)
+    with torch.no_grad():
+        out = [m(x[:, :prompt_len], cache=cache)]
+        out += [m(x[:, t:t + 1], cache=cache) for t in range(prompt_len, x.shape[1])]
+    return torch.cat(out, 1), cache
+
+
+def test_the_static_set():
+    """What has no static cache yet is named (docs/inference.md says the same): MLA, NSA, MoBA."""
+    assert MISSING == ["mla", "moba", "nsa"]
+    assert {"gqa", "sliding_window", "gated_deltanet", "rwkv7", "mamba2", "gla", "retnet", "hgrn2"} <= set(STATIC)
+
+
+@pytest.mark.parametrize("name", STATIC)
+@pytest.mark.parametrize("prompt_len", [1, 7, 20])
+def test_static_decode_equals_full_forward(name, prompt_len):
+    m = build(mixer_cfg(name)).double()
+    x = torch.randint(0, V, (2, prompt_len + 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = m(x)
+    out, cache = static_decode(m, x, prompt_len, 40)
+    torch.testing.assert_close(out, full, atol=1e-10, rtol=0)
+    T = x.shape[1]
+    assert cache.pos.tolist() == [T, T]
+    assert cache.nbytes() == m.cache_bytes(T, 2, torch.float64)  # filled == analytic
+    assert cache.allocated_bytes() >= cache.nbytes()
+
+
+WINDOW = {"name": "sliding_window", "window": 5, "sink_tokens": 2}
+
+
+@pytest.mark.parametrize("mixer,position", [({"name": "gqa"}, p) for p in POSITIONS] + [
+    (WINDOW, p) for p in POSITIONS if p["name"] != "alibi"],  # alibi with a window: refused by its config
+    ids=lambda v: "-".join(map(str, v.values())))
+def test_static_decode_every_position_method(mixer, position):
+    m = build(mixer, position=position).double()
+    x = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = m(x)
+    torch.testing.assert_close(static_decode(m, x, 6, 32)[0], full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding_window", "gated_deltanet", "rwkv7", "gqa+conv3"])
+def test_rows_of_other_lengths_decode_as_if_alone(name):
+    """Per-row prefill into a shared static cache, then decode together at per-row positions: each row's logits
+    equal the full forward of that row alone."""
+    m = build(mixer_cfg(name)).double()
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, V, (1, n), generator=g) for n in (8, 15, 11)]  # prompts of 2, 9 and 5 tokens
+    cache = m.new_static_cache(3, 40, torch.float64)
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            m(r[:, :-6], cache=cache.row(b))
+        steps = [m(torch.cat([r[:, -6 + t:r.shape[1] - 5 + t] for r in rows]), cache=cache) for t in range(6)]
+        for b, r in enumerate(rows):
+            torch.testing.assert_close(torch.cat([s[b:b + 1] for s in steps], 1), m(r)[:, -6:], atol=1e-10, rtol=0)
+    assert cache.nbytes() == sum(m.cache_bytes(r.shape[1], 1, torch.float64) for r in rows)
+
+
+def counting_backend():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
+@pytest.mark.parametrize("mixer", [{"name": "gqa"}, {"name": "gated_deltanet"}, {"name": "rwkv7"},
+                                   {"name": "sliding_window", "window": 4, "sink_tokens": 1}], ids=lambda m: m["name"])
+def test_one_graph_for_every_position_and_prompt(mixer):
+    """fullgraph: a break would raise. Greedy decoding over prompts of three lengths, then another batch of other
+    lengths (fewer rows than the decoder's batch), compiles the step once; sampling is a second graph, once."""
+    m = build(mixer)
+    backend, graphs = counting_backend()
+    dec = Decoder(m, batch=3, max_len=48, backend=backend)
+    assert dec.path.startswith("compiled static cache")
+    dec.generate([[1, 2, 3, 4, 5], [7, 8], list(range(1, 12))], 12)
+    dec.generate([[3], [9, 9, 9, 9]], 20)
+    assert len(graphs) == 1
+    gen = torch.Generator().manual_seed(0)
+    dec.generate([[3, 4]], 10, temperature=0.8, top_k=5, top_p=0.9, generator=gen)
+    dec.generate([[5, 6, 7], [1]], 10, temperature=1.3, top_k=9, top_p=0.5, generator=gen)  # other settings: tensors
+    assert len(graphs) == 2
+
+
+def test_compiled_decode_equals_eager_and_full_forward():
+    """The real compiler (inductor) on a hybrid of full attention, a window with a sink and Gated DeltaNet: greedy
+    tokens identical to the eager static decode and to DecoderLM.generate with and without its cache; the compiled
+    step's logits within the fp32-vs-fp64 gap of the same decode (rounding, not a different computation)."""
+    torch.manual_seed(0)
+    cfg = tiny_model_cfg({"name": "gqa"}, n_layers=3, pattern=["a", "w", "g"], max_seq_len=64,
+                         mixers={"a": {"name": "gqa"}, "w": {"name": "sliding_window", "window": 6, "sink_tokens": 1},
+                                 "g": {"name": "gated_deltanet"}})
+    m = DecoderLM(cfg, vocab_size=V).eval()
+    prompts = [[5, 9, 2, 11, 30, 7, 1, 44, 3], [17, 2], [8, 8, 1, 60, 12]]
+    compiled = Decoder(m, 3, 40)
+    eager = Decoder(m, 3, 40, compile=False)
+    got, want = compiled.generate(prompts, 20), eager.generate(prompts, 20)
+    assert got.tokens == want.tokens and got.steps == 19
+    for p, toks in zip(prompts, got.tokens):
+        x = torch.tensor([p])
+        assert m.generate(x, 20, temperature=0)[0, len(p):].tolist() == toks
+        assert m.generate(x, 20, temperature=0, use_cache=False)[0, len(p):].tolist() == toks
+    # logits of one compiled step vs the same step eager in fp32 and in fp64
+    step = torch.compile(lambda model, t, c: model(t, cache=c)[:, -1], fullgraph=True)
+    m64 = DecoderLM(cfg, vocab_size=V).eval()
+    m64.load_state_dict(m.state_dict())
+    m64.double()
+    outs = {}
+    for key, model, fn in (("compiled", m, step), ("fp32", m, None), ("fp64", m64, None)):
+        cache = model.new_static_cache(3, 40, model.embed.weight.dtype)
+        with torch.no_grad():
+            for b, p in enumerate(prompts):
+                model(torch.tensor([p]), cache=cache.row(b))
+            t = torch.tensor([[4], [5], [6]])
+            outs[key] = fn(model, t, cache) if fn else model(t, cache=cache)[:, -1]
+    torch.testing.assert_close(outs["compiled"].double(), outs["fp64"], atol=gap_atol(outs["fp32"], outs["fp64"]),
+                               rtol=0)
+
+
+def test_filtered_logits_tensor_settings_equal_numbers():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    for t, k, p in ((0.7, 5, 0.9), (1.0, None, 0.5), (1.3, 12, None), (0.5, 50, 1.0)):
+        a = filtered_logits(logits, t, k, p)
+        b = filtered_logits(logits, torch.tensor(t), torch.tensor(k or 50), torch.tensor(p if p is not None else 1.0))
+        torch.testing.assert_close(a, b)
+    kept = filtered_logits(logits, 1.0, 5, None).isfinite().sum(-1)
+    assert kept.tolist() == [5, 5, 5, 5]
+
+
+def test_exponential_race_draws_from_the_filtered_distribution():
+    """argmax(p / E), E ~ Exp(1), is a draw from p: 40,000 draws match the filtered probabilities (each within
+    5 standard errors), as multinomial's (sample_next) do."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = torch.softmax(filtered_logits(logits, 0.8, 4, 0.95), -1)[0]
+    n, g = 40_000, torch.Generator().manual_seed(0)
+    race = draw(logits.expand(n, -1), torch.empty(n, 6).exponential_(generator=g), torch.tensor(0.8),
+                torch.tensor(4), torch.tensor(0.95))[:, 0]
+    multi = sample_next(logits.expand(n, -1), 0.8, 4, 0.95, g)[:, 0]
+    se = (p * (1 - p) / n).sqrt()
+    for drawn in (race, multi):
+        freq = torch.bincount(drawn, minlength=6).double() / n
+        assert ((freq - p.double()).abs() <= 5 * se.double() + 1e-12).all(), (freq, p)
+    assert p[4:].sum() == 0  # outside the top 4: never drawn
+
+
+def test_eos_and_stop_strings_end_rows():
+    m = build({"name": "gqa"})
+    dec = Decoder(m, 2, 40, compile=False)
+    free = dec.generate([[1, 2, 3], [4, 5]], 12)
+    eos = free.tokens[0][4]
+    first = free.tokens[0].index(eos)
+    got = dec.generate([[1, 2, 3], [4, 5]], 12, eos_id=eos)
+    assert got.tokens[0] == free.tokens[0][:first + 1] and got.finished[0] == "eos"
+    decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731
+    stop = decode(free.tokens[1][3:5])
+    got = dec.generate([[1, 2, 3], [4, 5]], 12, stop=[stop], decode=decode)
+    text = decode(free.tokens[1])
+    assert got.finished[1] == "stop" and got.text[1] == text[:text.index(stop)]
+    assert got.tokens[1] == free.tokens[1][:len(got.tokens[1])]
+
+
+def test_models_without_a_static_cache_fall_back_and_say_so():
+    m = build({"name": "mla"})
+    dec = Decoder(m, 2, 30)
+    assert dec.path == "eager, dynamic cache (mla: no static cache yet)"
+    got = dec.generate([[1, 2, 3], [4]], 8)
+    for p, toks in zip([[1, 2, 3], [4]], got.tokens):
+        assert m.generate(torch.tensor([p]), 8, temperature=0)[0, len(p):].tolist() == toks
+
+
+@pytest.mark.parametrize("prompts,new,kw,field", [
+    ([[1]] * 3, 4, {}, "prompts"),
+    ([[1], []], 4, {}, "prompts"),
+    ([[1] * 30], 11, {}, "max_new_tokens"),
+    ([[1]], 0, {}, "max_new_tokens"),
+    ([[1]], 4, {"stop": ["x"]}, "stop"),
+])
+def test_bad_input_refused_before_work(prompts, new, kw, field):
+    dec = Decoder(build({"name": "gqa"}), 2, 40, compile=False)
+    with pytest.raises(ConfigError) as e:
+        dec.generate(prompts, new, **kw)
+    assert e.value.field == field
