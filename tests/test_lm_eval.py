@@ -117,6 +117,16 @@ def test_generate_until_stops_at_the_stop_string_and_is_greedy(lm):
     assert isinstance(got[2], str) and len(got[2]) <= 5
 
 
+def test_generate_until_batches_prompts_of_other_lengths(lm):
+    """Five requests with the same settings go as two batches (batch_size 3) of rows at their own positions: each
+    text is the greedy completion of its prompt alone (eos included: a row that ends early does not stop the
+    others)."""
+    prompts = ["def ", "import os\nfor i in range(", "x", "class Foo(object):\n    ", "return "]
+    got = lm.generate_until([request("generate_until", p, {"until": [], "max_gen_toks": 12}) for p in prompts])
+    assert got == [greedy(lm, p, 12).split("<|endoftext|>")[0] for p in prompts]
+    assert lm.decoder().path == "eager static cache" and lm.decoder().batch == 3
+
+
 def test_refusals_are_one_line(run_dir, tmp_path):
     with pytest.raises(ConfigError, match="model_args: unknown nosuch"):
         AttnzooLM(path=str(run_dir), nosuch=1)

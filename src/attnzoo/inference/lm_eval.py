@@ -12,7 +12,9 @@ which registers "attnzoo", then runs lm_eval's own command line with the same ar
 
 model_args: `path` (run dir or .ckpt), `best` (best.ckpt), `device`, `batch_size` (loglikelihood rows per
 forward), `max_length` (tokens per forward; default `model.max_seq_len`), `max_gen_toks` (default 256),
-`seed` (sampling). Decoder LMs trained on text only (they have a tokenizer).
+`seed` (sampling), `compile` (generate_until's decode step compiled once: auto, the default, compiles on CUDA
+only; true / false). Decoder LMs trained on text only (they have a tokenizer). generate_until decodes up to
+batch_size requests together (attnzoo.inference.decode.Decoder: prompts of any lengths, one row each).
 
 Tokenization is the run's own (byte-level BPE or char). A (context, continuation) pair is encoded as lm_eval's
 HFLM does: the whole string once, the context alone, and the continuation is the whole's tokens after the
@@ -36,7 +38,7 @@ from tqdm import tqdm
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.inference.generate import load
-from attnzoo.models.decoder import sample_next
+from attnzoo.inference.decode import Decoder
 from attnzoo.training.families import family_of
 
 log = logging.getLogger(__name__)
@@ -63,15 +65,15 @@ def _batch_size(value) -> int:
 @register_model("attnzoo")
 class AttnzooLM(TemplateLM):
     """An attnzoo decoder LM behind lm_eval's three request types: loglikelihood (+ is_greedy),
-    loglikelihood_rolling (disjoint max_length windows) and generate_until (from the model's cache)."""
+    loglikelihood_rolling (disjoint max_length windows) and generate_until (batched, through a static cache)."""
 
     def __init__(self, path: Optional[str] = None, best: bool = False, device: Optional[str] = None,
                  batch_size: int | str = 8, max_length: Optional[int] = None, max_gen_toks: int = 256,
-                 seed: int = 1234, max_batch_size: Optional[int] = None, **unknown):
+                 seed: int = 1234, max_batch_size: Optional[int] = None, compile: bool | str = "auto", **unknown):
         super().__init__()
         if unknown:
             raise ConfigError(f"unknown {', '.join(sorted(unknown))}; allowed: path, best, device, batch_size, "
-                              f"max_length, max_gen_toks, seed", field="model_args")
+                              f"max_length, max_gen_toks, seed, compile", field="model_args")
         if not path:
             raise ConfigError("missing; give --model_args path=RUN_DIR (or a .ckpt)", field="model_args.path")
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
@@ -102,6 +104,10 @@ class AttnzooLM(TemplateLM):
         self.batch_size = 1 if capped else _batch_size(batch_size)
         self._eot = _eot_id(run.datamodule.tokenizer)
         self._generator = torch.Generator(device=self._device).manual_seed(int(seed))
+        # auto: compiled on CUDA; on a CPU, inductor's first compile (C++ kernels, ~20 s a graph) outweighs a
+        # small evaluation's decode
+        self._compile = self._device.type == "cuda" if compile == "auto" else compile in (True, "true", "True", 1, "1")
+        self._decoder: Optional[Decoder] = None
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> "AttnzooLM":
@@ -208,42 +214,48 @@ class AttnzooLM(TemplateLM):
             temperature = 0.0
         return [s for s in until if s], int(n), temperature, kw.pop("top_k", None), kw.pop("top_p", None)
 
-    @torch.no_grad()
-    def _generate(self, ids: list[int], until: list[str], max_new: int, temperature: float, top_k, top_p) -> str:
-        """Prefill once, then one token per step from the cache; stop at <|endoftext|>, a stop string, or
-        max_new tokens; the text is cut before the first stop string (as lm_eval's HFLM)."""
-        model = self.model
-        cache = model.new_cache(1, len(ids) + max_new, model.embed.weight.dtype, device=self.device)
-        logits = model(torch.tensor([ids], device=self.device), cache=cache)[:, -1]
-        new: list[int] = []
-        for step in range(max_new):
-            nxt = sample_next(logits, temperature, top_k, top_p, self._generator)  # (1, 1)
-            if int(nxt) == self._eot:
-                break
-            new.append(int(nxt))
-            if until and any(s in self.tok_decode(new) for s in until):
-                break
-            if step + 1 < max_new:
-                logits = model(nxt, cache=cache)[:, -1]
-        text = self.tok_decode(new)
-        for s in until:
-            text = text.split(s)[0]
-        return text
+    def decoder(self) -> Decoder:
+        """One batched decoder for every generate_until request (inference/decode.py: static cache, the step
+        compiled once with model_args compile, on CUDA by default), max_length positions x batch_size rows."""
+        if self._decoder is None:
+            self._decoder = Decoder(self.model, self.batch_size, self.max_length, compile=self._compile)
+        return self._decoder
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """One request at a time (attnzoo's caches hold one prompt length per batch); the context is
-        left-truncated to max_length - max_gen_toks tokens."""
-        out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="attnzoo generate_until"):
+        """Batches of up to batch_size requests with the same generation settings, decoded together (prompts of
+        any lengths, each row at its own position); the context is left-truncated to max_length - max_gen_toks
+        tokens. A row stops at <|endoftext|>, a stop string (its text cut before the first one, as lm_eval's
+        HFLM) or max_gen_toks tokens."""
+        todo = []
+        for i, req in enumerate(requests):
             context, gen_kwargs = req.args
             until, max_new, temperature, top_k, top_p = self._gen_kwargs(gen_kwargs)
             if not 0 < max_new < self.max_length:
                 raise ConfigError(f"max_gen_toks={max_new}; allowed: 1 .. max_length - 1 = {self.max_length - 1}",
                                   field="gen_kwargs.max_gen_toks")
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
-            text = self._generate(ids, until, max_new, temperature, top_k, top_p)
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            todo.append((i, ids, (tuple(until), max_new, temperature, top_k, top_p)))
+        out: list = [None] * len(todo)
+        groups: dict = {}
+        for i, ids, settings in todo:
+            groups.setdefault(settings, []).append((i, ids))
+        bar = tqdm(total=len(todo), disable=disable_tqdm, desc="attnzoo generate_until")
+        for (until, max_new, temperature, top_k, top_p), reqs in groups.items():
+            for start in range(0, len(reqs), self.batch_size):
+                chunk = reqs[start:start + self.batch_size]
+                gen = self.decoder().generate([ids for _, ids in chunk], max_new, temperature=temperature,
+                                              top_k=top_k, top_p=top_p, eos_id=self._eot, stop=list(until),
+                                              decode=self.tok_decode, generator=self._generator)
+                for (i, _), toks, how, text in zip(chunk, gen.tokens, gen.finished, gen.text):
+                    if how == "eos":  # the end-of-text token is not part of the text
+                        text = self.tok_decode(toks[:-1])
+                    for stop in until:
+                        text = text.split(stop)[0]
+                    out[i] = text
+                    context, gen_kwargs = requests[i].args
+                    self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                bar.update(len(chunk))
+        bar.close()
         return out
 
 
