@@ -48,6 +48,20 @@ def test_generate_a_file_of_prompts(text_run, tmp_path, capsys):
     assert out.count("--- prompt") == 2 and "\nclass " in out
 
 
+def test_generate_batches_prompts_of_other_lengths(text_run, tmp_path, capsys):
+    """Three prompts of other lengths, two at a time (--batch-size 2), greedy: each is its prompt's own greedy
+    continuation (rows at their own positions in one static cache)."""
+    run = attnzoo.load(text_run)
+    prompts = ["def ", "class Foo(object):", "x = 1 + "]
+    p = tmp_path / "prompts.txt"
+    p.write_text("\n".join(prompts) + "\n")
+    generate_main([str(text_run), "--prompts", str(p), "--max-new-tokens", "8", "--temperature", "0", "--batch-size", "2"])
+    out = capsys.readouterr().out
+    for i, prompt in enumerate(prompts):
+        want = run.decode(run.model.generate(torch.tensor([run.encode(prompt)]), 8, temperature=0)[0].tolist())
+        assert f"--- prompt {i + 1}: {prompt!r}\n{want}\n" in out
+
+
 def test_eval_writes_json_with_lengths_and_other_text(text_run, tmp_path):
     other = tmp_path / "other.txt"
     other.write_text("def add(a, b):\n    return a + b\n" * 200)
@@ -87,7 +101,7 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     (before: U+FFFD for the incomplete bytes, then nothing more once the text stopped extending it)."""
     from types import SimpleNamespace
 
-    import attnzoo.inference.generate as generate_mod
+    import attnzoo.inference.decode as decode_mod
     from attnzoo.data.tokenizer import BPETokenizer
     from attnzoo.inference.generate import stream
     from attnzoo.models.decoder import DecoderLM
@@ -99,7 +113,7 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     assert len(ids) > len(want) + 8  # the multi-byte characters really are split across tokens
     assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # prefixes end mid-character
     script = iter(ids)
-    monkeypatch.setattr(generate_mod, "sample_next", lambda *a, **k: torch.tensor([[next(script)]]))
+    monkeypatch.setattr(decode_mod, "draw", lambda *a, **k: torch.tensor([[next(script)]]))
     model = DecoderLM(tiny_model_cfg("gqa"), vocab_size=tok.vocab_size).eval()
     run = SimpleNamespace(model=model, encode=tok.encode, decode=tok.decode)
     pieces: list[str] = []

@@ -5,14 +5,17 @@
     run.model, run.config, run.encode("def f("), run.decode([...])
 
     attnzoo-generate RUN_DIR "def fib(n):" --max-new-tokens 64 --temperature 0.8 --top-k 40
-    attnzoo-generate RUN_DIR --prompts prompts.txt               # one prompt per line, one completion each
+    attnzoo-generate RUN_DIR --prompts prompts.txt               # one prompt per line, one completion each,
+                                                                 # --batch-size of them decoded together
     attnzoo-eval RUN_DIR                                         # val loss / ppl (/ acc) on the run's data
     attnzoo-eval RUN_DIR --text other.txt --context-lengths 512 1024 --out eval.json
     attnzoo-eval RUN_DIR --kv-cache-dtype int4                   # + val/loss_kvq(_delta) through a KIVI int4 cache
     attnzoo-generate RUN_DIR "def " --kv-cache-dtype int8        # sample from an int8 KV cache
 
 `--kv-cache-dtype fp32|bf16|int8|int4`, `--kv-group-size G`, `--kv-residual R` default to the run's own
-`inference.*` settings (attnzoo.mixers.kv_quant).
+`inference.*` settings (attnzoo.mixers.kv_quant). Decoding goes through attnzoo.inference.decode.Decoder: a static
+cache (the dynamic one for mixers and KV formats without a static form), the step compiled with --compile (auto:
+on CUDA).
 
 Checkpoints are read with `torch.load(weights_only=True)`; a missing, corrupt or mismatched checkpoint
 (weights that do not fit the config it carries) is refused in one line, exit status 2.
@@ -39,7 +42,7 @@ from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks
 from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
-from attnzoo.models.decoder import sample_next
+from attnzoo.inference.decode import Decoder, position_table
 from attnzoo.distributed.fsdp import is_sharded_checkpoint
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
@@ -190,42 +193,36 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
         raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
 
 
-def position_limit(model) -> Optional[int]:
-    """The most positions `model` can embed (its learned table), or None where positions are computed."""
-    cfg = getattr(model, "cfg", None)
-    return cfg.max_seq_len if getattr(getattr(cfg, "position", None), "name", None) == "learned" else None
-
-
 # ----------------------------------------------------------------------------- generate
 
 
 @torch.no_grad()
 def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
-           top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None) -> str:
-    """Sample a completion token by token from the cache (keys/values in `kv_format`, attnzoo.mixers.kv_quant),
-    writing each decoded piece as it comes: whole characters only (`complete_text`), so a byte-level BPE
-    token that ends inside a UTF-8 character is held back until the token that completes it. Returns the
-    text written."""
+           top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None,
+           decoder: Optional[Decoder] = None) -> str:
+    """Sample a completion token by token (`decoder`, a batch-1 attnzoo.inference.decode.Decoder; default: the
+    static cache, eager; keys/values in `kv_format` go through the dynamic cache), writing each decoded piece as
+    it comes: whole characters only (`complete_text`), so a byte-level BPE token that ends inside a UTF-8
+    character is held back until the token that completes it. Returns the text written."""
 
-    model = run.model
     ids = run.encode(prompt)
     if not ids:
         raise ConfigError("the prompt encodes to no tokens", field="prompt")
-    dev = next(model.parameters()).device
-    x = torch.tensor([ids], device=dev)
-    cache = model.new_cache(1, len(ids) + max_new_tokens, model.embed.weight.dtype, kv_format=kv_format)
-    logits = model(x, cache=cache)[:, -1]
-    g = torch.Generator(device=dev).manual_seed(seed)
+    dec = decoder or Decoder(run.model, 1, len(ids) + max_new_tokens, compile=False, kv_format=kv_format)
+    g = torch.Generator(device=next(run.model.parameters()).device).manual_seed(seed)
     out: list = []
     shown = ""
-    for _ in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_k, top_p, g)
-        out.append(int(nxt))
+
+    def on_tokens(row: list) -> None:
+        nonlocal shown
+        out.append(row[0])
         text = complete_text(run.decode(out))
         if len(text) > len(shown) and text.startswith(shown):
             write(text[len(shown):])
             shown = text
-        logits = model(nxt, cache=cache)[:, -1]
+
+    dec.generate([ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=g,
+                 on_tokens=on_tokens)
     return shown
 
 
@@ -250,9 +247,14 @@ def generate_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts decoded together (>= 1)")
+    ap.add_argument("--compile", choices=("auto", "true", "false"), default="auto", help="compile the decode step "
+                    "once (static cache; auto: on CUDA, where it pays at once; on a CPU the first compile takes ~20 s)")
     kv_format_args(ap)
     args = ap.parse_args(argv)
     try:
+        if args.batch_size < 1:
+            raise ConfigError(f"must be >= 1, got {args.batch_size}", field="--batch-size")
         if (args.prompt is None) == (args.prompts is None):
             raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
         if args.prompts is not None and not args.prompts.is_file():
@@ -272,13 +274,23 @@ def generate_main(argv: list[str] | None = None) -> None:
                               field="checkpoint")
         fmt = kv_format_of(run, args)
         _check_prompts(run, prompts, args.max_new_tokens)
-        for i, prompt in enumerate(prompts):
-            if len(prompts) > 1:
-                print(f"--- prompt {i + 1}: {prompt!r}", flush=True)
-            print(prompt, end="", flush=True)
-            stream(run, prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed + i,
-                   lambda s: print(s, end="", flush=True), kv_format=fmt)
+        ids = [run.encode(p) for p in prompts]
+        batch = min(args.batch_size, len(prompts))
+        compiled = args.device.startswith("cuda") if args.compile == "auto" else args.compile == "true"
+        dec = Decoder(run.model, batch, max(map(len, ids)) + args.max_new_tokens, compile=compiled, kv_format=fmt)
+        if len(prompts) == 1:  # streamed as it comes
+            print(prompts[0], end="", flush=True)
+            stream(run, prompts[0], args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed,
+                   lambda s: print(s, end="", flush=True), decoder=dec)
             print(flush=True)
+            return
+        g = torch.Generator(device=args.device).manual_seed(args.seed)
+        for start in range(0, len(prompts), batch):  # `batch` prompts decoded together, each at its own position
+            gen = dec.generate(ids[start:start + batch], args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k or None, top_p=args.top_p, generator=g, decode=run.decode)
+            for i, text in enumerate(gen.text):
+                print(f"--- prompt {start + i + 1}: {prompts[start + i]!r}", flush=True)
+                print(prompts[start + i] + complete_text(text), flush=True)
     except ConfigError as e:
         print(f"attnzoo-generate: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -287,7 +299,7 @@ def generate_main(argv: list[str] | None = None) -> None:
 def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int) -> None:
     """Every prompt encodes to tokens and, with learned positions, fits the table with its new tokens:
     checked for all prompts before the first is sampled."""
-    limit = position_limit(run.model)
+    limit = position_table(run.model)
     field = "prompt" if len(prompts) == 1 else "--prompts"
     for i, prompt in enumerate(prompts):
         n = len(run.encode(prompt))
