@@ -225,6 +225,7 @@ def _cases(tmp):
         ("two nodes without a launcher", ["trainer=fsdp_cpu", "trainer.num_nodes=2"], "trainer.num_nodes",
          "need one launch per node"),
         ("zero lr", ["optim.lr=0"], "optim.lr", "must be positive"),
+        ("decode compile not a choice", ["perf.decode_compile=maybe"], "perf.decode_compile", "allowed: auto, true, false"),
         ("zero eps", ["optim.eps=0"], "optim.eps", "must be positive"),
         ("unknown optimizer", ["optim.name=sgd"], "optim.name", "allowed: adamw"),
         ("unknown schedule", ["scheduler.name=step"], "scheduler.name", "allowed: cosine, noam, constant"),

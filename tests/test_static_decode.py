@@ -200,6 +200,19 @@ def test_models_without_a_static_cache_fall_back_and_say_so():
         assert m.generate(torch.tensor([p]), 8, temperature=0)[0, len(p):].tolist() == toks
 
 
+@pytest.mark.parametrize("mixer,static", [({"name": "gqa"}, 1.0), ({"name": "gated_deltanet"}, 1.0), ({"name": "mla"}, 0.0)])
+def test_the_run_summary_decode_rate_takes_the_static_path(mixer, static):
+    """training/measure.measure_inference (the summary's perf/decode_tokens_per_sec): through the Decoder, saying
+    which path it took; the bytes after the prefill are the analytic cache bytes."""
+    from attnzoo.training.measure import measure_inference
+
+    m = build(mixer)
+    got = measure_inference(m, 16, 3, V)
+    assert got["perf/decode_static"] == static and got["perf/decode_compiled"] == 0.0
+    assert got["cache/bytes_at_ctx"] == m.cache_bytes(16, 1, torch.float32)
+    assert got["perf/decode_tokens_per_sec"] > 0
+
+
 @pytest.mark.parametrize("prompts,new,kw,field", [
     ([[1]] * 3, 4, {}, "prompts"),
     ([[1], []], 4, {}, "prompts"),

@@ -172,6 +172,12 @@ class PerfConfig:
     peak_flops: Optional[float] = None  # override the measured / table peak (FLOP/s, dense)
     measure_decode: bool = True  # end-of-run prefill + decode measurement (cache/bytes_at_ctx, decode tok/s)
     decode_tokens: int = 32
+    # the measured decode step compiled (attnzoo.inference.decode): auto = on CUDA only | true | false
+    decode_compile: Any = "auto"
+
+    def __post_init__(self) -> None:
+        if self.decode_compile not in ("auto", True, False):
+            raise ConfigError(f"got {self.decode_compile!r}; allowed: auto, true, false", field="perf.decode_compile")
 
 
 @dataclass

@@ -22,6 +22,7 @@ formats for now) decodes through its dynamic cache, eager (`Decoder.path` says w
 """
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -171,6 +172,27 @@ class Decoder:
         if decode is not None:
             text = [text[b] if finished[b] == "stop" else decode(tokens[b]) for b in range(n)]
         return Generation(tokens, finished, steps, self.path, text)
+
+    @torch.no_grad()
+    def decode_rate(self, prompt: list, steps: int) -> dict:
+        """Greedy decode timing: prefill `prompt` into every row, one untimed step (the compile, on the first call),
+        then `steps` timed steps of all rows. Returns tokens/s (rows x steps / seconds) and the cache bytes after
+        the prefill: filled (= the analytic cache_bytes) and allocated (a static cache's buffers)."""
+        nxt = self.prefill([prompt] * self.batch).argmax(-1, keepdim=True)
+        if self.cache is None:
+            filled = allocated = sum(c.nbytes() for c in self.rows)
+        else:
+            filled, allocated = self.cache.nbytes(), self.cache.allocated_bytes()
+        run = self._step if self.cache is not None else self._eager_rows_step
+        nxt = run(nxt, None, None, None, None)
+        sync = torch.cuda.synchronize if nxt.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = run(nxt, None, None, None, None)
+        sync()
+        return {"tokens_per_sec": self.batch * steps / (time.perf_counter() - t0), "filled_bytes": filled,
+                "allocated_bytes": allocated}
 
     def check(self, prompts: list, max_new_tokens: int, stop, decode) -> None:
         """Before any work: 1 .. batch prompts, none empty, each with its new tokens inside max_len (and a learned

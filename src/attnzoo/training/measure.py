@@ -3,12 +3,13 @@ KV cache (analytic bytes, and the bytes a real prefill holds), the decode rate, 
 quantized cache and the loss at other context lengths (analysis/extrapolation.py)."""
 from __future__ import annotations
 
+import logging
 import math
-import time
 
 import torch
 
 from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths
+from attnzoo.inference.decode import Decoder
 from attnzoo.mixers.kv_quant import KVFormat
 from attnzoo.models.flops import precision_dtype
 from attnzoo.training.callbacks import RunCheckpoint
@@ -16,32 +17,35 @@ from attnzoo.training.families import embedding_params
 from attnzoo.distributed.fsdp import is_sharded
 from attnzoo.training.fsdp import unshard_for_rank_zero
 
+log = logging.getLogger(__name__)
+
 
 @torch.no_grad()
 def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32,
-                      kv_format=None) -> dict:
-    """Prefill `context_len` random tokens (batch 1) into a fresh cache (keys/values in `kv_format`, see
-    DecoderLM.new_cache), then decode `decode_tokens` more.
+                      kv_format=None, compile: bool = False) -> dict:
+    """Prefill `context_len` random tokens (batch 1), then decode `decode_tokens` more, greedy, through
+    attnzoo.inference.decode.Decoder: the static cache (the dynamic one where a mixer or `kv_format` has no static
+    form), the step compiled with `compile` (its compile happens in an untimed first step).
 
-    Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill) and the decode rate."""
+    Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill: what it holds), the decode
+    rate, and the path it took: perf/decode_static (1: a static cache), perf/decode_compiled (1: compiled)."""
     was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab_size, (1, context_len), generator=g).to(device)
-    cache = model.new_cache(1, context_len + decode_tokens + 1, dtype, device, kv_format=kv_format)
-    logits = model(prompt, cache=cache)
-    at_ctx = cache.nbytes()
-    nxt = logits[:, -1:].argmax(-1)
-    nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)  # warm-up step, not timed
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens):
-        nxt = model(nxt, cache=cache)[:, -1:].argmax(-1)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    prompt = torch.randint(0, vocab_size, (context_len,), generator=g).tolist()
+    dec = Decoder(model, 1, context_len + decode_tokens + 2, compile=compile, dtype=dtype, kv_format=kv_format)
+    rate = dec.decode_rate(prompt, decode_tokens)
     model.train(was_training)
-    return {"cache/bytes_at_ctx": float(at_ctx), "perf/decode_tokens_per_sec": decode_tokens / dt}
+    log.info("attnzoo: decode at %d tokens: %.1f tokens/s (%s)", context_len, rate["tokens_per_sec"], dec.path)
+    return {"cache/bytes_at_ctx": float(rate["filled_bytes"]), "perf/decode_tokens_per_sec": rate["tokens_per_sec"],
+            "perf/decode_static": float(dec.cache is not None), "perf/decode_compiled": float(dec.compiled)}
+
+
+def decode_compile(run, device) -> bool:
+    """perf.decode_compile: auto compiles the measured decode step on CUDA only (a CPU's first inductor compile
+    takes ~20 s, more than a small run's decode probe), true / false always / never."""
+    setting = run.perf.decode_compile
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def inference_kv(run) -> dict:
@@ -76,7 +80,7 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
     metrics["cache/bytes_per_token"] = model.cache_bytes(data_cfg.seq_len, 1, infer_dtype, **kv) / data_cfg.seq_len
     if run.perf.measure_decode and trainer.is_global_zero and family.decoder_only:
         metrics.update(measure_inference(model, data_cfg.seq_len, run.perf.decode_tokens, dm.vocab_size, infer_dtype,
-                                         **kv))
+                                         **kv, compile=decode_compile(run, next(model.parameters()).device)))
     if kv and trainer.is_global_zero:  # the quality cost: validation through that cache vs the full forward
         # the final validation's batches (rank 0's shard under DDP), so val/loss_kvq compares with val/loss
         n = (trainer.num_val_batches or [math.inf])[0] if final else math.inf
@@ -86,6 +90,7 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
         metrics.update(evaluate_lengths(lit, dm, data_cfg, run.eval.context_lengths, run.eval.max_batches))
         if run.perf.measure_decode:  # the cache really held after L tokens, and the decode rate there
             for L in run.eval.context_lengths:
-                at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype)
+                at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype,
+                                       compile=decode_compile(run, next(model.parameters()).device))
                 metrics.update({f"{k}@{L}": v for k, v in at.items()})
     return metrics

@@ -21,6 +21,14 @@ from attnzoo.training.csv_logger import RunTensorBoardLogger, run_hparams
 from attnzoo.training.measure import inference_kv
 
 
+def decode_path(m: dict) -> str:
+    """How the decode rate was measured (training/measure.measure_inference): static cache, compiled or not."""
+    if "perf/decode_static" not in m:
+        return ""
+    cache = "static cache" if m["perf/decode_static"] else "dynamic cache"
+    return f" ({'compiled' if m.get('perf/decode_compiled') else 'eager'}, {cache})"
+
+
 def kv_heads_of(model) -> int | None:
     """KV heads of the first layer that has any (mha: n_heads, mqa: 1, gqa: its groups), as built."""
     return next((m.n_kv_heads for m in getattr(model, "mixers", []) if hasattr(m, "n_kv_heads")), None)
@@ -94,7 +102,8 @@ def format_summary(summary: dict) -> str:
         f"  speed      {g('perf/tokens_per_sec', '{:,.0f}')} tokens/s   step {g('perf/step_ms', '{:.1f}')} ms   "
         f"MFU {g('perf/mfu', '{:.1%}')} (peak {summary['peak_flops'] / 1e9:,.1f} GFLOP/s, {summary['peak_source']})",
         f"  kv-cache   {g('cache/bytes_per_token', '{:,.0f}')} bytes/token   {g('cache/bytes_at_ctx', '{:,.0f}')} bytes "
-        f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s",
+        f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s"
+        + decode_path(m),
         f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}" + spent(summary.get("length")),
     ]
     if "val/loss_kvq" in m:  # inference.kv_cache_dtype other than fp32: bytes above are that format's
