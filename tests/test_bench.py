@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from attnzoo.bench import cli
+from attnzoo.bench import decode as decode_mod
 from attnzoo.bench.mixers import PeakMemory
 from attnzoo.config.registry import MIXERS
 
@@ -139,6 +141,36 @@ def test_every_subcommand_has_quick(tmp_path, argv):
     local_global's 4-layer pattern."""
     res = run_bench(tmp_path, *argv)
     assert all(any(positive(v) for k, v in row.items() if k not in ("mixer",)) for row in res["rows"])
+
+
+def test_decode_bench_rows_follow_the_bytes(tmp_path):
+    """`attnzoo-bench decode --quick` (the eager compile backend: the whole path, the transformers peer included,
+    without inductor's minutes): every row measured; bytes per token = (weights + batch x analytic cache) / batch;
+    the roofline is the measured bandwidth over it; full attention's bytes grow with the context, the state's not."""
+    from attnzoo.bench.decode import model_for, weight_bytes
+
+    res = run_bench(tmp_path, "decode", "--quick", "--backend", "eager")
+    assert len(res["rows"]) == 8 and len(res["peers"]) == 2 and (tmp_path / "decode.png").stat().st_size > 0
+    args = SimpleNamespace(**{**decode_mod.QUICK, "window": 512, "steps": 4})
+    for row in res["rows"]:
+        m = model_for(args, row["mixer"])
+        want = (weight_bytes(m) + row["batch"] * m.cache_bytes(row["context"], 1, torch.float32)) / row["batch"]
+        assert row["bytes/token MB"] == pytest.approx(want / 1e6, rel=1e-12)
+        assert row["roofline tok/s"] == pytest.approx(res["bandwidth_bytes_per_sec"] / want, rel=1e-9)
+        assert all(positive(row[k]) for k in ("eager tok/s", "compiled tok/s", "compiled / eager"))
+    by = {(r["mixer"], r["context"], r["batch"]): r["bytes/token MB"] for r in res["rows"]}
+    assert by[("gqa", 64, 1)] > by[("gqa", 32, 1)] and by[("gated_deltanet", 64, 1)] == by[("gated_deltanet", 32, 1)]
+    assert all(positive(p["attnzoo / transformers"]) for p in res["peers"])
+
+
+@pytest.mark.parametrize("argv,field", [(["--mixers", "mla"], "--mixers"), (["--mixers", "softmaxx"], "mixer.name"),
+                                        (["--contexts", "0"], "--contexts"), (["--steps", "0"], "--steps")])
+def test_decode_bench_refuses_before_work(tmp_path, capsys, argv, field):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--out", str(tmp_path), "decode", "--quick", *argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and f"error: {field}:" in err, err
+    assert not (tmp_path / "decode.json").exists()
 
 
 def test_bad_bench_flags_are_one_line(tmp_path, capsys):
