@@ -191,6 +191,13 @@ def test_eos_and_stop_strings_end_rows():
     assert got.tokens[1] == free.tokens[1][:len(got.tokens[1])]
 
 
+def test_dynamic_rope_decodes_eagerly_through_the_static_cache():
+    m = build({"name": "gqa"}, position={"name": "rope", "scaling": "dynamic", "factor": 2.0, "original_max_len": 8})
+    dec = Decoder(m, 1, 40)
+    assert dec.path.startswith("eager static cache (position.scaling=dynamic") and not dec.compiled
+    assert dec.generate([[1, 2, 3]], 20).tokens[0] == m.generate(torch.tensor([[1, 2, 3]]), 20, temperature=0)[0, 3:].tolist()
+
+
 def test_models_without_a_static_cache_fall_back_and_say_so():
     m = build({"name": "mla"})
     dec = Decoder(m, 2, 30)

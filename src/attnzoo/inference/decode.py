@@ -78,6 +78,9 @@ class Decoder:
             self.path = f"eager, dynamic cache (KV format {self.kv_format.dtype}: no static form yet)"
         elif self.cache is None:
             self.path = f"eager, dynamic cache ({', '.join(missing)}: no static cache yet)"
+        elif compile and getattr(getattr(model.cfg, "position", None), "scaling", None) == "dynamic":
+            compile = False  # dynamic NTK reads the largest position as a number: no single graph for every step
+            self.path = "eager static cache (position.scaling=dynamic cannot be compiled into one step)"
         elif compile:
             if mode is None and device.type == "cuda":
                 mode = "reduce-overhead"
