@@ -151,7 +151,7 @@ def test_decode_bench_rows_follow_the_bytes(tmp_path):
 
     res = run_bench(tmp_path, "decode", "--quick", "--backend", "eager")
     assert len(res["rows"]) == 8 and len(res["peers"]) == 2 and (tmp_path / "decode.png").stat().st_size > 0
-    args = SimpleNamespace(**{**decode_mod.QUICK, "window": 512, "steps": 4})
+    args = SimpleNamespace(**{**decode_mod.QUICK, "window": 512, "steps": 4, "device": "cpu"})
     for row in res["rows"]:
         m = model_for(args, row["mixer"])
         want = (weight_bytes(m) + row["batch"] * m.cache_bytes(row["context"], 1, torch.float32)) / row["batch"]

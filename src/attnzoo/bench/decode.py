@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from attnzoo.bench.common import windowed
+from attnzoo.bench.common import sync, windowed
 from attnzoo.inference.decode import Decoder
 from attnzoo.models.decoder import DecoderLM
 
@@ -47,6 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip transformers (static cache + compile)")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer read to measure the memory bandwidth")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of both sides (tests: eager)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (compiled with mode=reduce-overhead: CUDA graphs)")
 
 
 def check(args) -> None:
@@ -59,6 +60,9 @@ def check(args) -> None:
             raise ConfigError(f"got {bad[0]}; allowed: integers >= 1", field=f"--{flag}")
     if args.steps < 1:
         raise ConfigError(f"must be >= 1, got {args.steps}", field="--steps")
+    from attnzoo.inference.generate import check_device
+
+    check_device(args.device)
     for mixer in args.mixers:
         missing = model_for(args, mixer, meta=True).static_cache_missing()  # an unknown name: the registry's line
         if missing:
@@ -71,20 +75,26 @@ def model_for(args, mixer: str, meta: bool = False) -> DecoderLM:
     cfg = {"name": mixer, **({"window": args.window} if windowed(mixer) else {})}
     if meta:  # the shape only
         with torch.device("meta"):
-            return model_for(args, mixer)
+            return _model(args, cfg)
+    return _model(args, cfg).to(args.device)
+
+
+def _model(args, cfg: dict) -> DecoderLM:
     return DecoderLM({"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
                       "n_kv_heads": args.n_kv_heads, "mixer": cfg, "ffn": {"name": "swiglu", "d_ff": args.d_ff}, "tie_embeddings": False,
                       "max_seq_len": max(args.contexts) + args.steps + 8}, vocab_size=args.vocab).eval()
 
 
-def bandwidth(mib: int) -> float:
+def bandwidth(mib: int, device="cpu") -> float:
     """Bytes/s reading `mib` MiB (torch.sum, all threads, best of 5)."""
-    buf = torch.ones(mib * 2 ** 18)  # fp32
+    buf = torch.ones(mib * 2 ** 18, device=device)  # fp32
     buf.sum()
     best = float("inf")
     for _ in range(5):
+        sync(device)
         t0 = time.perf_counter()
         buf.sum()
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best
 
@@ -107,21 +117,25 @@ def seek(dec: Decoder, context: int) -> None:
     g = torch.Generator(device=dec.cache.pos.device).manual_seed(0)
     for c in dec.cache.layers:
         for t in c.tensors():
-            t.copy_(0.02 * torch.randn(t.shape, generator=g, dtype=t.dtype))
+            t.copy_(0.02 * torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device))
     dec.cache.pos.fill_(context)
 
 
 def rate(dec: Decoder, context: int, steps: int) -> float:
     """Best of 3 runs of `steps` greedy steps from `context` (one untimed step first)."""
-    tok = torch.zeros(dec.batch, 1, dtype=torch.long)
+    dev = dec.cache.pos.device
+    tok = torch.zeros(dec.batch, 1, dtype=torch.long, device=dev)
     seek(dec, context)
-    dec._step(tok, None, None, None, None)
+    for _ in range(2 if dev.type == "cuda" else 1):  # CUDA graphs are recorded on the second call
+        dec._step(tok, None, None, None, None)
     best = float("inf")
     for _ in range(3):
         seek(dec, context)
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(steps):
             tok = dec._step(tok, None, None, None, None)
+        sync(dev)
         best = min(best, time.perf_counter() - t0)
     return dec.batch * steps / best
 
@@ -135,24 +149,28 @@ def peer_rate(args, context: int, steps: int) -> tuple[float, float]:
     shape = SimpleNamespace(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                             n_kv_heads=args.n_kv_heads, d_ff=args.d_ff,
                             vocab=args.vocab, contexts=[context], new_tokens=steps + 8)
-    ours, hf = build_pair(shape)
+    ours, hf = (m.to(args.device) for m in build_pair(shape))
     max_len = context + steps + 2
     ours_rate = rate(Decoder(ours, 1, max_len, backend=args.backend), context, steps)
     cache = StaticCache(config=hf.config, max_cache_len=max_len)
-    fwd = torch.compile(hf.forward, fullgraph=True, backend=args.backend)
+    mode = "reduce-overhead" if torch.device(args.device).type == "cuda" and args.backend == "inductor" else None
+    fwd = torch.compile(hf.forward, fullgraph=True, backend=args.backend, mode=mode)  # as ours: CUDA graphs on a GPU
 
     def hf_step(tok, pos):
         out = fwd(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     with torch.no_grad():
-        tok = torch.zeros(1, 1, dtype=torch.long)
-        hf_step(tok, torch.tensor([context]))
+        dev = args.device
+        tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        hf_step(tok, torch.tensor([context], device=dev))
         best = float("inf")
         for _ in range(3):
+            sync(dev)
             t0 = time.perf_counter()
             for i in range(steps):
-                tok = hf_step(tok, torch.tensor([context + i]))
+                tok = hf_step(tok, torch.tensor([context + i], device=dev))
+            sync(dev)
             best = min(best, time.perf_counter() - t0)
     return ours_rate, steps / best
 
@@ -160,7 +178,7 @@ def peer_rate(args, context: int, steps: int) -> tuple[float, float]:
 @torch.no_grad()
 def run(args) -> dict:
     check(args)
-    bw = bandwidth(args.bandwidth_mib)
+    bw = bandwidth(args.bandwidth_mib, args.device)
     modes = [("eager", False)] + ([] if args.no_compile else [("compiled", True)])
     rows = []
     for mixer in args.mixers:
