@@ -76,7 +76,7 @@ fi
 step "6/6 decode: CUDA graphs == eager (limit 120 s), the decode benchmark (limit 240 s)"
 timeout 120 "$PY" - "$DEVICE" <<'PYEOF' || check=1
 import sys, torch
-from attnzoo.inference.decode import Decoder
+from attnzoo.models.decoding import Decoder
 from attnzoo.models.decoder import DecoderLM
 dev = sys.argv[1]
 torch.manual_seed(0)

@@ -101,7 +101,7 @@ def test_stream_writes_whole_characters_where_tokens_split_them(monkeypatch):
     (before: U+FFFD for the incomplete bytes, then nothing more once the text stopped extending it)."""
     from types import SimpleNamespace
 
-    import attnzoo.inference.decode as decode_mod
+    import attnzoo.models.decoding as decode_mod
     from attnzoo.data.tokenizer import BPETokenizer
     from attnzoo.inference.generate import stream
     from attnzoo.models.decoder import DecoderLM

@@ -1,4 +1,4 @@
-"""Static caches and the compiled decode step (attnzoo.inference.decode): every mixer with a static cache decodes
+"""Static caches and the compiled decode step (attnzoo.models.decoding): every mixer with a static cache decodes
 through it exactly as the full forward (fp64), rows of other lengths as if each ran alone, measured filled bytes ==
 analytic; one compiled graph serves every position and every prompt (counted by a counting backend, and by the
 real inductor once); sampling inside the step draws from the same filtered distribution as sample_next; eos and stop
@@ -8,7 +8,7 @@ import torch
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import MIXERS
-from attnzoo.inference.decode import Decoder, draw
+from attnzoo.models.decoding import Decoder, draw
 from attnzoo.models.decoder import DecoderLM, filtered_logits, sample_next
 from tests.conftest import gap_atol, tiny_model_cfg
 from tests.test_mixers_contract import MIXER_NAMES, mixer_cfg

@@ -2,7 +2,7 @@
 must read (weights + the cache at that context) and the machine's measured memory bandwidth; transformers' static
 cache + torch.compile as the peer on the Llama-shaped model (gqa, same weights).
 
-Each measurement is `Decoder.decode_rate`'s loop (attnzoo.inference.decode): greedy steps of every row through the
+Each measurement is `Decoder.decode_rate`'s loop (attnzoo.models.decoding): greedy steps of every row through the
 static cache, timed after one untimed step (the compile). The cache is put at the context directly: its tensors
 filled with random values and every row's position set to the context (a decode step reads the same bytes whatever
 the values; a real prefill of 8 rows x 8k tokens would cost minutes). A mixer whose static cache does not grow with
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from attnzoo.bench.common import sync, windowed
-from attnzoo.inference.decode import Decoder
+from attnzoo.models.decoding import Decoder
 from attnzoo.models.decoder import DecoderLM
 
 HELP = "decode tokens/s by mixer x context x batch: bytes per token, % of the memory roofline, eager vs compiled, vs transformers"

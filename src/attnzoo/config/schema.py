@@ -172,7 +172,7 @@ class PerfConfig:
     peak_flops: Optional[float] = None  # override the measured / table peak (FLOP/s, dense)
     measure_decode: bool = True  # end-of-run prefill + decode measurement (cache/bytes_at_ctx, decode tok/s)
     decode_tokens: int = 32
-    # the measured decode step compiled (attnzoo.inference.decode): auto = on CUDA only | true | false
+    # the measured decode step compiled (attnzoo.models.decoding): auto = on CUDA only | true | false
     decode_compile: Any = "auto"
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@
     attnzoo-generate RUN_DIR "def " --kv-cache-dtype int8        # sample from an int8 KV cache
 
 `--kv-cache-dtype fp32|bf16|int8|int4`, `--kv-group-size G`, `--kv-residual R` default to the run's own
-`inference.*` settings (attnzoo.mixers.kv_quant). Decoding goes through attnzoo.inference.decode.Decoder: a static
+`inference.*` settings (attnzoo.mixers.kv_quant). Decoding goes through attnzoo.models.decoding.Decoder: a static
 cache (the dynamic one for mixers and KV formats without a static form), the step compiled with --compile (auto:
 on CUDA).
 
@@ -42,7 +42,7 @@ from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks
 from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
-from attnzoo.inference.decode import Decoder, position_table
+from attnzoo.models.decoding import Decoder, position_table
 from attnzoo.distributed.fsdp import is_sharded_checkpoint
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
@@ -200,7 +200,7 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
 def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
            top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None,
            decoder: Optional[Decoder] = None) -> str:
-    """Sample a completion token by token (`decoder`, a batch-1 attnzoo.inference.decode.Decoder; default: the
+    """Sample a completion token by token (`decoder`, a batch-1 attnzoo.models.decoding.Decoder; default: the
     static cache, eager; keys/values in `kv_format` go through the dynamic cache), writing each decoded piece as
     it comes: whole characters only (`complete_text`), so a byte-level BPE token that ends inside a UTF-8
     character is held back until the token that completes it. Returns the text written."""

@@ -14,7 +14,7 @@ model_args: `path` (run dir or .ckpt), `best` (best.ckpt), `device`, `batch_size
 forward), `max_length` (tokens per forward; default `model.max_seq_len`), `max_gen_toks` (default 256),
 `seed` (sampling), `compile` (generate_until's decode step compiled once: auto, the default, compiles on CUDA
 only; true / false). Decoder LMs trained on text only (they have a tokenizer). generate_until decodes up to
-batch_size requests together (attnzoo.inference.decode.Decoder: prompts of any lengths, one row each).
+batch_size requests together (attnzoo.models.decoding.Decoder: prompts of any lengths, one row each).
 
 Tokenization is the run's own (byte-level BPE or char). A (context, continuation) pair is encoded as lm_eval's
 HFLM does: the whole string once, the context alone, and the continuation is the whole's tokens after the
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.inference.generate import load
-from attnzoo.inference.decode import Decoder
+from attnzoo.models.decoding import Decoder
 from attnzoo.training.families import family_of
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class AttnzooLM(TemplateLM):
         return [s for s in until if s], int(n), temperature, kw.pop("top_k", None), kw.pop("top_p", None)
 
     def decoder(self) -> Decoder:
-        """One batched decoder for every generate_until request (inference/decode.py: static cache, the step
+        """One batched decoder for every generate_until request (models/decoding.py: static cache, the step
         compiled once with model_args compile, on CUDA by default), max_length positions x batch_size rows."""
         if self._decoder is None:
             self._decoder = Decoder(self.model, self.batch_size, self.max_length, compile=self._compile)

@@ -7,7 +7,7 @@ reorders every tensor attribute along dim 0.
 Every cache reports `nbytes()` from the tensors it really holds, so the measured bytes can be checked
 against each mixer's analytic `cache_bytes(context_len)`.
 
-Static caches (`LayerCache.static`, `StaticModelCache`; the compiled decode of attnzoo.inference.decode): every
+Static caches (`LayerCache.static`, `StaticModelCache`; the compiled decode of attnzoo.models.decoding): every
 tensor allocated once by the mixer's `new_static_cache` (to the longest context, or fixed by construction) and
 written in place, the positions a (B,) tensor: the addresses never change, so one compiled decode step (and one
 CUDA graph) serves every position and every prompt. `nbytes()` of a static model cache is what its rows have

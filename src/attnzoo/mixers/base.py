@@ -203,7 +203,7 @@ class Mixer(nn.Module):
 
     def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Any:
         """The static form of this mixer's cache (layers/kv_cache.StaticModelCache: the compiled decode of
-        attnzoo.inference.decode): `static = True`, every tensor allocated here for positions 0 .. max_len - 1
+        attnzoo.models.decoding): `static = True`, every tensor allocated here for positions 0 .. max_len - 1
         and written in place, no Python number that changes per token. None: this mixer has no static cache yet
         (decoding uses its dynamic `new_cache`, eager)."""
         return None

@@ -223,7 +223,7 @@ class DecoderLM(nn.Module):
                          device=None) -> Optional[StaticModelCache]:
         """A `StaticModelCache` for `batch` rows of positions 0 .. max_len - 1 (every buffer allocated now and
         written in place; each row's position a tensor): the cache of one compiled decode step
-        (attnzoo.inference.decode). None when a layer's mixer has no static cache (`static_cache_missing`)."""
+        (attnzoo.models.decoding). None when a layer's mixer has no static cache (`static_cache_missing`)."""
         if self.static_cache_missing():
             return None
         device = device or self.embed.weight.device

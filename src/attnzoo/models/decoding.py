@@ -1,6 +1,6 @@
 """Decoding that measures the mixer, not Python: static caches, one compiled decode step, batched generation.
 
-    from attnzoo.inference.decode import Decoder
+    from attnzoo.models.decoding import Decoder
     dec = Decoder(model, batch=8, max_len=2048, compile=True)      # caches allocated once, the step compiled once
     out = dec.generate([[5, 6, 7], [9]], max_new_tokens=64, temperature=0.8, top_k=40, eos_id=0)
     out.tokens[b]       # row b's new tokens (cut at its eos / stop string)
