@@ -35,9 +35,9 @@ def static_decode(m, x: torch.Tensor, prompt_len: int, max_len: int) -> tuple[to
 
 
 def test_the_static_set():
-    """What has no static cache yet is named (docs/inference.md says the same): MLA, NSA, MoBA."""
-    assert MISSING == ["mla", "moba", "nsa"]
-    assert {"gqa", "sliding_window", "gated_deltanet", "rwkv7", "mamba2", "gla", "retnet", "hgrn2"} <= set(STATIC)
+    """What has no static cache yet is named (docs/inference.md says the same): NSA, MoBA (their block means)."""
+    assert MISSING == ["moba", "nsa"]
+    assert {"gqa", "sliding_window", "mla", "gated_deltanet", "rwkv7", "mamba2", "gla", "retnet", "hgrn2"} <= set(STATIC)
 
 
 @pytest.mark.parametrize("name", STATIC)
@@ -220,16 +220,26 @@ def test_dynamic_rope_decodes_eagerly_through_the_static_cache():
     assert dec.generate([[1, 2, 3]], 20).tokens[0] == m.generate(torch.tensor([[1, 2, 3]]), 20, temperature=0)[0, 3:].tolist()
 
 
+@pytest.mark.parametrize("absorb", ["always", "never"])
+def test_mla_static_latents_in_either_attention_form(absorb):
+    """MLA's static latents with the absorbed form everywhere, or never (the default absorbs in decode only)."""
+    m = build({"name": "mla", "absorb": absorb}).double()
+    x = torch.randint(0, V, (2, 25), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = m(x)
+    torch.testing.assert_close(static_decode(m, x, 9, 30)[0], full, atol=1e-10, rtol=0)
+
+
 def test_models_without_a_static_cache_fall_back_and_say_so():
-    m = build({"name": "mla"})
+    m = build({"name": "nsa"})
     dec = Decoder(m, 2, 30)
-    assert dec.path == "eager, dynamic cache (mla: no static cache yet)"
+    assert dec.path == "eager, dynamic cache (nsa: no static cache yet)"
     got = dec.generate([[1, 2, 3], [4]], 8)
     for p, toks in zip([[1, 2, 3], [4]], got.tokens):
         assert m.generate(torch.tensor([p]), 8, temperature=0)[0, len(p):].tolist() == toks
 
 
-@pytest.mark.parametrize("mixer,static", [({"name": "gqa"}, 1.0), ({"name": "gated_deltanet"}, 1.0), ({"name": "mla"}, 0.0)])
+@pytest.mark.parametrize("mixer,static", [({"name": "gqa"}, 1.0), ({"name": "mla"}, 1.0), ({"name": "moba"}, 0.0)])
 def test_the_run_summary_decode_rate_takes_the_static_path(mixer, static):
     """training/measure.measure_inference (the summary's perf/decode_tokens_per_sec): through the Decoder, saying
     which path it took; the bytes after the prefill are the analytic cache bytes."""

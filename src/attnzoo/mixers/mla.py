@@ -66,6 +66,29 @@ class LatentCache(LayerCache):
         return self.latent
 
 
+class StaticLatentCache(LayerCache):
+    """MLA's static cache (Mixer.new_static_cache): latent (B, max_len, kv_lora_rank + qk_rope_head_dim) allocated
+    once, slot s = position s, written in place at each row's positions; read under the mask slot <= position."""
+
+    static = True
+
+    def __init__(self, batch: int, max_len: int, width: int, dtype: torch.dtype, device,
+                 conv_tail: Optional[torch.Tensor] = None) -> None:
+        self.latent = torch.zeros(batch, max_len, width, dtype=dtype, device=device)
+        self.conv_tail = conv_tail
+
+    def write(self, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """New (B, T, width) latents at `positions` (B, T); returns every slot."""
+        rows = torch.arange(latent.shape[0], device=latent.device)[:, None]
+        self.latent[rows, positions] = latent.to(self.latent.dtype)
+        return self.latent
+
+    def filled_bytes(self, lengths: torch.Tensor) -> int:
+        per_token = self.latent.shape[2] * self.latent.element_size()
+        tail = 0 if self.conv_tail is None else self.conv_tail.numel() * self.conv_tail.element_size()
+        return per_token * int(lengths.clamp(max=self.latent.shape[1]).sum()) + tail
+
+
 @dataclass
 class MLAConfig:
     name: str = "mla"
@@ -179,7 +202,9 @@ class MLA(Mixer):
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)  # (B, T, r), (B, T, dr)
         cs = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None
-        q_rope, k_rope = self._rotate(q_rope, cs), self._rotate(k_rope, cs)
+        # per-row positions (B, T) give (B, 1, T, dr) phases, for the heads of q; the shared key has no head dim
+        cs_k = tuple(c[:, 0] for c in cs) if cs is not None and positions.dim() == 2 else cs
+        q_rope, k_rope = self._rotate(q_rope, cs), self._rotate(k_rope, cs_k)
         return q_nope, q_rope, torch.cat([self.kv_a_norm(c_kv), k_rope], dim=-1)
 
     def expand(self, latent: torch.Tensor):
@@ -192,11 +217,18 @@ class MLA(Mixer):
         return k, v
 
     # ------------------------------------------------------------------ the two attention forms
-    def attend_expanded(self, q_nope, q_rope, latent) -> torch.Tensor:
-        """(B, H, T, dn), (B, H, T, dr), (B, S, r + dr) -> (B, H, T, dv); queries are the last T of S."""
+    def attend_expanded(self, q_nope, q_rope, latent, visible=None) -> torch.Tensor:
+        """(B, H, T, dn), (B, H, T, dr), (B, S, r + dr) -> (B, H, T, dv); queries are the last T of S, or, with
+        `visible` (B, T, S) (a static cache's slots), see the keys it marks."""
         k, v = self.expand(latent)
         q = torch.cat([q_nope, q_rope], dim=-1)
         T, S = q.shape[2], k.shape[2]
+        if visible is not None:
+            if self.impl == "reference":
+                return attention_reference(q, k, v, mask=visible[:, None], scale=self.scale)
+            E = q.shape[-1]
+            v = F.pad(v, (0, E - self.dv)) if self.dv < E else v
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale)[..., : self.dv]
         if self.impl == "reference":
             mask = attention_mask(T, S, causal=True, device=q.device)
             return attention_reference(q, k, v, mask=mask, scale=self.scale)
@@ -208,7 +240,7 @@ class MLA(Mixer):
         y = attention_sdpa(q, k, v, causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
         return y[..., : self.dv]
 
-    def attend_absorbed(self, q_nope, q_rope, latent) -> torch.Tensor:
+    def attend_absorbed(self, q_nope, q_rope, latent, visible=None) -> torch.Tensor:
         """Same result as `attend_expanded`, attending over the latents without expanding them.
 
         The key is shared by all heads, so heads become extra query rows of one SDPA call:
@@ -226,7 +258,9 @@ class MLA(Mixer):
         # fused kernel) and the extra d_r output dims are dropped below
         v = k
         mask = None
-        if T > 1:  # query t (absolute S - T + t) sees keys <= it; same band for every head
+        if visible is not None:  # a static cache's slots (B, T, S): row h*T + t is query t
+            mask = visible[:, None].repeat(1, 1, H, 1)
+        elif T > 1:  # query t (absolute S - T + t) sees keys <= it; same band for every head
             mask = attention_mask(T, S, causal=True, device=q.device).repeat(H, 1)
         p = self.dropout if self.training else 0.0
         o_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, dropout_p=p)
@@ -244,15 +278,30 @@ class MLA(Mixer):
             y = cp.attention(torch.cat([q_nope, q_rope], dim=-1), k, v, causal=True, scale=self.scale)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dv))
         q_nope, q_rope, latent = self.project(self.shift(x, cache), positions)
-        if cache is not None:
-            latent = cache.update(latent)  # (B, S, r + dr): every token so far
         mode = self.cfg.absorb
         absorbed = self.impl == "fast" and (mode == "always" or (mode == "decode" and cache is not None and T == 1))
-        y = (self.attend_absorbed if absorbed else self.attend_expanded)(q_nope, q_rope, latent)
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        if cache is not None and cache.static:
+            pos = positions.expand(B, -1) if positions.dim() == 1 else positions
+            if T > 1 and int(pos[:, 0].max()) == 0:  # a prefill from an empty row: over its own latents
+                cache.write(latent, pos)
+                y = attend(q_nope, q_rope, latent)
+            else:  # every slot, under the mask of the positions they hold
+                slots = cache.write(latent, pos)
+                visible = torch.arange(slots.shape[1], device=x.device)[None, None] <= pos[:, :, None]
+                y = attend(q_nope, q_rope, slots.to(latent.dtype), visible)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dv))
+        if cache is not None:
+            latent = cache.update(latent)  # (B, S, r + dr): every token so far
+        y = attend(q_nope, q_rope, latent)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dv))
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
         return LatentCache(self.kv_lora_rank)
+
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> StaticLatentCache:
+        tail = None if self.input_conv is None else self.input_conv.empty_tail(batch, dtype, device)
+        return StaticLatentCache(batch, max_len, self.kv_lora_rank + self.dr, dtype, device, conv_tail=tail)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
         latents = (self.kv_lora_rank + self.dr) * context_len * batch * dtype_bytes(dtype)

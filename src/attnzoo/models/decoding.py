@@ -17,8 +17,8 @@ argmax(p / E), E ~ Exp(1) (a draw from p, as multinomial's; the noise comes from
 reproduces a completion). Temperature 0 is argmax. Stop: `eos_id` and stop strings (`stop`, matched on each row's
 decoded text) end a row; the batch ends when every row has ended (or after max_new_tokens).
 
-A model whose mixers lack a static cache (`DecoderLM.static_cache_missing`: MLA, NSA, MoBA, the KV-quantized
-formats for now) decodes through its dynamic cache, eager (`Decoder.path` says which, and why).
+A model whose mixers lack a static cache (`DecoderLM.static_cache_missing`: NSA, MoBA, and the KV-quantized
+formats, for now) decodes through its dynamic cache, eager (`Decoder.path` says which, and why).
 """
 from __future__ import annotations
 
