@@ -32,7 +32,7 @@ QUICK = {"mixers": ["gqa", "gated_deltanet"], "contexts": [32, 64], "batches": [
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--mixers", nargs="+", default=["gqa", "sliding_window", "gated_deltanet", "mamba2", "rwkv7"])
+    p.add_argument("--mixers", nargs="+", default=["gqa", "mla", "sliding_window", "gated_deltanet", "rwkv7"])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--d-model", type=int, default=512)

@@ -104,7 +104,7 @@ class Decoder:
         return decode_step(self.model, self.cache, tokens, noise, temperature, top_k, top_p)
 
     @torch.no_grad()
-    def prefill(self, prompts: list, cache=None) -> torch.Tensor:
+    def prefill(self, prompts: list) -> torch.Tensor:
         """Empty the cache and prefill row b with prompts[b] (eager, one forward per row). Returns the last logits
         (B, V). Rows past len(prompts) repeat the last prompt (their output is dropped): the step's shapes stay."""
         dev = self.model.embed.weight.device
