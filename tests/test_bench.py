@@ -163,7 +163,7 @@ def test_decode_bench_rows_follow_the_bytes(tmp_path):
     assert all(positive(p["attnzoo / transformers"]) for p in res["peers"])
 
 
-@pytest.mark.parametrize("argv,field", [(["--mixers", "mla"], "--mixers"), (["--mixers", "softmaxx"], "mixer.name"),
+@pytest.mark.parametrize("argv,field", [(["--mixers", "nsa"], "--mixers"), (["--mixers", "softmaxx"], "mixer.name"),
                                         (["--contexts", "0"], "--contexts"), (["--steps", "0"], "--steps")])
 def test_decode_bench_refuses_before_work(tmp_path, capsys, argv, field):
     with pytest.raises(SystemExit) as e:

@@ -171,6 +171,19 @@ def test_every_static_mixer_compiles_to_the_full_forward(name):
         torch._dynamo.reset()
 
 
+def test_a_step_that_fails_to_compile_decodes_eagerly_and_says_so():
+    """A compiler failure (the backend raises, as torch 2.13's CPU inductor does on RWKV-7 at batch 8) happens before
+    the step writes anything: the decoder falls back to the eager step, with the same tokens, and reports it."""
+    def failing(gm, example_inputs):
+        raise RuntimeError("no kernel for this shape")
+
+    m = build({"name": "gqa"})
+    dec = Decoder(m, 2, 40, backend=failing)
+    got = dec.generate([[1, 2, 3], [4, 5]], 8)
+    assert dec.path == "eager static cache (the compile failed: BackendCompilerFailed)" and not dec.compiled
+    assert got.tokens == Decoder(m, 2, 40, compile=False).generate([[1, 2, 3], [4, 5]], 8).tokens
+
+
 def test_filtered_logits_tensor_settings_equal_numbers():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     for t, k, p in ((0.7, 5, 0.9), (1.0, None, 0.5), (1.3, 12, None), (0.5, 50, 1.0)):

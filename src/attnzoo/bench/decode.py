@@ -180,7 +180,7 @@ def run(args) -> dict:
     check(args)
     bw = bandwidth(args.bandwidth_mib, args.device)
     modes = [("eager", False)] + ([] if args.no_compile else [("compiled", True)])
-    rows = []
+    rows, failures = [], []
     for mixer in args.mixers:
         model = model_for(args, mixer)
         w = weight_bytes(model)
@@ -199,14 +199,23 @@ def run(args) -> dict:
                         dec = Decoder(model, batch, max_len, compile=comp, backend=args.backend)
                         shared[name] = dec
                     row[f"{name} tok/s"] = rate(dec, context, args.steps)
+                    if comp and not dec.compiled:  # the compiler failed on this shape: the decoder ran eagerly
+                        row[f"{name} tok/s"] = None
+                        failures.append(f"{mixer}, context {context}, batch {batch}: {dec.path}")
+                        continue
                     row[f"{name} % roofline"] = 100 * row[f"{name} tok/s"] / row["roofline tok/s"]
-                if len(modes) == 2:
+                if len(modes) == 2 and row.get("compiled tok/s"):
                     row["compiled / eager"] = row["compiled tok/s"] / row["eager tok/s"]
                 rows.append(row)
     peers = []
     if not args.no_peer and not args.no_compile:
         for context in args.contexts:
-            ours, theirs = peer_rate(args, context, args.steps)
+            try:
+                ours, theirs = peer_rate(args, context, args.steps)
+            except Exception as e:  # either compiler failing on a shape: reported, the rest still runs
+                failures.append(f"peer at context {context}: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[-1][:160]}")
+                continue
             peers.append({"context": context, "attnzoo compiled tok/s": ours, "transformers static+compile tok/s": theirs,
                           "attnzoo / transformers": ours / theirs})
     cols = ["mixer", "context", "batch", "weights MB", "cache MB/row", "bytes/token MB", "roofline tok/s", "eager tok/s",
@@ -222,11 +231,14 @@ def run(args) -> dict:
         notes.append("Peer (gqa, batch 1, same weights): transformers LlamaForCausalLM, StaticCache + torch.compile "
                      "(fullgraph) of its forward, vs attnzoo's compiled decoder:\n\n"
                      + markdown_table(list(peers[0]), peers))
+    if failures:
+        notes.append("Not compiled (the row's other figures stand): " + "; ".join(failures))
     plot = plot_decode(rows, Path(args.out) / "decode.png") if getattr(args, "out", None) else None
     if plot:
         notes.append(f"![decode tokens/s vs context]({plot.name})")
     return {"title": "Decode tokens/s: static cache, eager vs compiled, against the memory roofline",
-            "columns": cols, "rows": rows, "peers": peers, "bandwidth_bytes_per_sec": bw, "notes": notes}
+            "columns": cols, "rows": rows, "peers": peers, "bandwidth_bytes_per_sec": bw, "failures": failures,
+            "notes": notes}
 
 
 def plot_decode(rows: list, path: Path) -> Path:
@@ -241,9 +253,9 @@ def plot_decode(rows: list, path: Path) -> Path:
     batch = min(r["batch"] for r in rows)
     for mixer in dict.fromkeys(r["mixer"] for r in rows):
         mine = [r for r in rows if r["mixer"] == mixer and r["batch"] == batch]
-        key = "compiled tok/s" if "compiled tok/s" in mine[0] else "eager tok/s"
+        key = "compiled tok/s" if all(r.get("compiled tok/s") for r in mine) else "eager tok/s"
         ctx = [r["context"] for r in mine]
-        a.plot(ctx, [r[key] for r in mine], marker="o", label=mixer)
+        a.plot(ctx, [r[key] for r in mine], marker="o", label=f"{mixer} ({key.split()[0]})")
         b.plot(ctx, [r["bytes/token MB"] for r in mine], marker="o", label=mixer)
     for ax, label in ((a, f"decode tokens/s (batch {batch})"), (b, "MB read per token (weights + cache)")):
         ax.set_xscale("log", base=2)

@@ -22,6 +22,7 @@ formats, for now) decodes through its dynamic cache, eager (`Decoder.path` says 
 """
 from __future__ import annotations
 
+import logging
 import time
 import types
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ import torch
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.models.decoder import filtered_logits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +97,24 @@ class Decoder:
             # own copy of `decode_step`, so decoders of other models never count as recompiles of this one, and the
             # graphs go with the decoder
             own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, "decode_step")
-            step = torch.compile(own, fullgraph=True, dynamic=False, mode=mode, backend=backend)
-            self._step = lambda *a: step(self.model, self.cache, *a)
+            self._compiled = torch.compile(own, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+            self._step = self._first_compiled_step
         self.limit = position_table(model)
+
+    def _first_compiled_step(self, *args) -> torch.Tensor:
+        """The first call compiles. A compiler failure (torch 2.13's CPU inductor fails on some shapes, e.g. RWKV-7 at
+        batch 8: docs/inference.md) happens before the step runs, so nothing is written: the decoder warns, says so
+        in `path` and `compiled`, and runs the same step eagerly from then on."""
+        try:
+            out = self._compiled(self.model, self.cache, *args)
+        except Exception as e:  # the compiler's own error types vary by backend
+            why = str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__
+            log.warning("attnzoo: the decode step did not compile (%s: %s); decoding eagerly", type(e).__name__, why)
+            self.path, self.compiled = f"eager static cache (the compile failed: {type(e).__name__})", False
+            self._step = self.step
+            return self.step(*args)
+        self._step = lambda *a: self._compiled(self.model, self.cache, *a)
+        return out
 
     # ------------------------------------------------------------------ one step
     def step(self, tokens: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k, top_p) -> torch.Tensor:

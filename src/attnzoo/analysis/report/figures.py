@@ -73,7 +73,7 @@ def chart_figure(chart: Chart) -> go.Figure:
             for tr in _traces(chart, s, colors[s.name], s.name not in seen):
                 fig.add_trace(tr, row=row, col=col)
             seen.add(s.name)
-        xs = sorted({float(x) for s in panel.series if s.style != "fit" for x in s.x})  # a fit's x: not data
+        xs = sorted({float(x) for s in panel.series if s.style not in ("fit", "optimum") for x in s.x})  # fitted: not data
         xaxis = dict(title_text=chart.xlabel, showgrid=True, gridcolor="#e5e5e5", zeroline=False)
         if chart.xlog:
             xaxis["type"] = "log"

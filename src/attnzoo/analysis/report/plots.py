@@ -43,7 +43,8 @@ def _x_axis(ax, chart: Chart, series: list[Series]) -> None:
     if chart.xlog:
         ax.set_xscale("log", base=chart.xlog)
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks labelled "3x10^2 4x10^2" overlap
-        if ticks := data_ticks([x for s in series if s.style != "fit" for x in s.x], room=10):  # a fit's x: not data
+        # a fit's x and a fitted optimum's are not data: ticking them too crowds a narrow panel's labels
+        if ticks := data_ticks([x for s in series if s.style not in ("fit", "optimum") for x in s.x], room=10):
             ax.set_xticks(ticks, [chart.tick_label(x) for x in ticks])
             ax.xaxis.set_minor_formatter(NullFormatter())
     elif chart.x_integer:
