@@ -91,7 +91,8 @@ class Decoder:
         else:
             self.path = "eager static cache"
         self.compiled = self.cache is not None and compile
-        self._step = self.step
+        # the step every caller runs: the static cache's (compiled below), or one dynamic cache per row, eager
+        self._step = self.step if self.cache is not None else self._eager_rows_step
         if self.compiled:
             # torch.compile keeps its graphs (and the recompile limit, 8) per code object: each decoder compiles its
             # own copy of `decode_step`, so decoders of other models never count as recompiles of this one, and the
@@ -159,7 +160,6 @@ class Decoder:
         def noise():
             return None if greedy else torch.empty(B, V, device=dev).exponential_(generator=generator)
 
-        run = self._step if self.cache is not None else self._eager_rows_step
         nxt = draw(self.prefill(prompts), noise(), temp, k, p)
         n = len(prompts)
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
@@ -186,7 +186,7 @@ class Decoder:
                     break
             if t + 1 == max_new_tokens:
                 break
-            nxt = run(nxt, noise(), temp, k, p)
+            nxt = self._step(nxt, noise(), temp, k, p)
             steps += 1
         tokens = out[:n].tolist()
         tokens = [r[:e] for r, e in zip(tokens, ended_at)]
@@ -204,13 +204,12 @@ class Decoder:
             filled = allocated = sum(c.nbytes() for c in self.rows)
         else:
             filled, allocated = self.cache.nbytes(), self.cache.allocated_bytes()
-        run = self._step if self.cache is not None else self._eager_rows_step
-        nxt = run(nxt, None, None, None, None)
+        nxt = self._step(nxt, None, None, None, None)
         sync = torch.cuda.synchronize if nxt.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            nxt = run(nxt, None, None, None, None)
+            nxt = self._step(nxt, None, None, None, None)
         sync()
         return {"tokens_per_sec": self.batch * steps / (time.perf_counter() - t0), "filled_bytes": filled,
                 "allocated_bytes": allocated}
