@@ -34,10 +34,52 @@ def static_decode(m, x: torch.Tensor, prompt_len: int, max_len: int) -> tuple[to
     return torch.cat(out, 1), cache
 
 
-def test_the_static_set():
-    """What has no static cache yet is named (docs/inference.md says the same): NSA, MoBA (their block means)."""
-    assert MISSING == ["moba", "nsa"]
-    assert {"gqa", "sliding_window", "mla", "gated_deltanet", "rwkv7", "mamba2", "gla", "retnet", "hgrn2"} <= set(STATIC)
+def test_every_mixer_has_a_static_cache():
+    assert MISSING == []
+    assert {"gqa", "sliding_window", "mla", "gated_deltanet", "rwkv7", "mamba2", "gla", "retnet", "hgrn2", "nsa",
+            "moba"} <= set(STATIC)
+
+
+# blocks of 4 so that selection really chooses (the defaults' blocks of 16 hold every position these tests reach)
+SPARSE = {"nsa": {"name": "nsa", "block_size": 4, "block_counts": 3, "window": 5},
+          "moba": {"name": "moba", "block_size": 4, "topk": 2},
+          "nsa-nowindow-conv": {"name": "nsa", "block_size": 4, "block_counts": 3, "window": 0, "conv_size": 3}}
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+@pytest.mark.parametrize("prompt_len", [1, 7, 20])
+@pytest.mark.parametrize("key", list(SPARSE))
+def test_block_sparse_static_decode_equals_full_forward(key, prompt_len, impl):
+    """NSA / MoBA through their static block means, with selection over many blocks, in the fast (masked over every
+    slot) and the reference (each query over its own keys) forms."""
+    m = build(SPARSE[key]).double()
+    for mixer in m.mixers:
+        mixer.impl = impl
+    x = torch.randint(0, V, (2, prompt_len + 15), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = m(x)
+    out, cache = static_decode(m, x, prompt_len, 40)
+    torch.testing.assert_close(out, full, atol=1e-10, rtol=0)
+    assert cache.nbytes() == m.cache_bytes(x.shape[1], 2, torch.float64)
+
+
+@pytest.mark.parametrize("key", ["nsa", "moba"])
+def test_block_sparse_rows_of_other_lengths_and_continued_chunks(key):
+    """Rows prefilled alone then decoded together at their own positions (each completing blocks at other steps),
+    and a full-batch chunk of 5 tokens after the prefill: each row equals its own full forward."""
+    m = build(SPARSE[key]).double()
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(0, V, (1, n), generator=g) for n in (13, 22, 17)]
+    cache = m.new_static_cache(3, 40, torch.float64)
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            m(r[:, :-9], cache=cache.row(b))
+        chunk = m(torch.cat([r[:, -9:-4] for r in rows]), cache=cache)
+        steps = [m(torch.cat([r[:, -4 + t:r.shape[1] - 3 + t] for r in rows]), cache=cache) for t in range(4)]
+        for b, r in enumerate(rows):
+            got = torch.cat([chunk[b:b + 1]] + [s[b:b + 1] for s in steps], 1)
+            torch.testing.assert_close(got, m(r)[:, -9:], atol=1e-10, rtol=0)
+    assert cache.nbytes() == sum(m.cache_bytes(r.shape[1], 1, torch.float64) for r in rows)
 
 
 @pytest.mark.parametrize("name", STATIC)
@@ -243,7 +285,12 @@ def test_mla_static_latents_in_either_attention_form(absorb):
     torch.testing.assert_close(static_decode(m, x, 9, 30)[0], full, atol=1e-10, rtol=0)
 
 
-def test_models_without_a_static_cache_fall_back_and_say_so():
+def test_models_without_a_static_cache_fall_back_and_say_so(monkeypatch):
+    """A mixer that does not implement new_static_cache (a user's) decodes through its dynamic cache."""
+    from attnzoo.mixers.base import Mixer
+    from attnzoo.mixers.nsa import NativeSparseAttention
+
+    monkeypatch.setattr(NativeSparseAttention, "new_static_cache", Mixer.new_static_cache)
     m = build({"name": "nsa"})
     dec = Decoder(m, 2, 30)
     assert dec.path == "eager, dynamic cache (nsa: no static cache yet)"
@@ -252,12 +299,18 @@ def test_models_without_a_static_cache_fall_back_and_say_so():
         assert m.generate(torch.tensor([p]), 8, temperature=0)[0, len(p):].tolist() == toks
 
 
-@pytest.mark.parametrize("mixer,static", [({"name": "gqa"}, 1.0), ({"name": "mla"}, 1.0), ({"name": "moba"}, 0.0)])
-def test_the_run_summary_decode_rate_takes_the_static_path(mixer, static):
+@pytest.mark.parametrize("mixer,static", [({"name": "gqa"}, 1.0), ({"name": "mla"}, 1.0), ({"name": "moba"}, 1.0),
+                                          ({"name": "nsa"}, 0.0)])
+def test_the_run_summary_decode_rate_takes_the_static_path(mixer, static, monkeypatch):
     """training/measure.measure_inference (the summary's perf/decode_tokens_per_sec): through the Decoder, saying
-    which path it took; the bytes after the prefill are the analytic cache bytes."""
+    which path it took (a mixer without a static form: the dynamic one); the bytes after the prefill are the
+    analytic cache bytes."""
+    from attnzoo.mixers.base import Mixer
+    from attnzoo.mixers.nsa import NativeSparseAttention
     from attnzoo.training.measure import measure_inference
 
+    if not static:
+        monkeypatch.setattr(NativeSparseAttention, "new_static_cache", Mixer.new_static_cache)
     m = build(mixer)
     got = measure_inference(m, 16, 3, V)
     assert got["perf/decode_static"] == static and got["perf/decode_compiled"] == 0.0

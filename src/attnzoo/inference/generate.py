@@ -201,7 +201,7 @@ def stream(run: LoadedRun, prompt: str, max_new_tokens: int, temperature: float,
            top_p: Optional[float], seed: int, write: Callable[[str], Any], kv_format=None,
            decoder: Optional[Decoder] = None) -> str:
     """Sample a completion token by token (`decoder`, a batch-1 attnzoo.models.decoding.Decoder; default: the
-    static cache, eager; keys/values in `kv_format` go through the dynamic cache), writing each decoded piece as
+    static cache, eager, keys/values in `kv_format`), writing each decoded piece as
     it comes: whole characters only (`complete_text`), so a byte-level BPE token that ends inside a UTF-8
     character is held back until the token that completes it. Returns the text written."""
 

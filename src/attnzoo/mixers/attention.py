@@ -32,7 +32,7 @@ from attnzoo.ops.sliding_window import sliding_window_sdpa
 from attnzoo.ops.dispatch import mixer_kernel
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache, StaticKVCache
+from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache, StaticKVCache, with_chunk
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, Mixer, causal_attended, dtype_bytes,
                                  validate_conv)
 
@@ -232,25 +232,31 @@ class Attention(Mixer):
             y = self.attend_alone(q, k, v)
             cache.write(k, v, positions)
             return y
-        if T > 1 and cache.ring:
-            raise ValueError("a sliding-window static cache continues one token at a time after its prefill")
+        if T > 1 and not cache.chunks:
+            raise ValueError(f"a {type(cache).__name__} continues one token at a time after its prefill")
         cache.write(k, v, positions)
         keys, values, held = cache.keys(positions[:, -1])
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if cache.lossy:  # a KV format: the chunk's own keys/values as computed, the past as stored
+            keys, values = with_chunk(keys, values, held, k, v, positions[:, 0])
         visible = (held[:, None, :] >= 0) & (held[:, None, :] <= positions[:, :, None])  # (B, T, S)
         bias = None
         if self.alibi is not None:
             dist = (positions[:, :, None] - held[:, None, :]).abs().to(q.dtype)
             bias = -self.alibi.to(q.dtype)[None, :, None, None] * dist[:, None]  # (B, H, T, S)
-        return static_attention(q, keys.to(q.dtype), values.to(q.dtype), visible, bias=bias, scale=self.scale,
+        return static_attention(q, keys, values, visible, bias=bias, scale=self.scale,
                                 reference=self.impl == "reference")
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> KVCache:
         # kv_format (attnzoo.mixers.kv_quant.KVFormat): keys/values stored in bf16 or quantized (KIVI); None: as computed
         return KVCache() if kv_format is None else kv_format.new_cache()
 
-    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> StaticKVCache:
-        """Keys/values for positions 0 .. max_len - 1 (a sliding window: a ring of W slots, + the sinks)."""
+    def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, kv_format=None) -> StaticKVCache:
+        """Keys/values for positions 0 .. max_len - 1 (a sliding window: a ring of W slots, + the sinks); kv_format
+        (full attention): stored in bf16 or KIVI's codes (mixers/kv_quant.py), None: as computed."""
         tail = None if self.input_conv is None else self.input_conv.empty_tail(batch, dtype, device)
+        if kv_format is not None:
+            return kv_format.new_static_cache(batch, self.n_kv_heads, max_len, self.head_dim, dtype, device, tail)
         slots = max_len if self.window is None else self.window
         return StaticKVCache(batch, self.n_kv_heads, slots, self.head_dim, dtype, device, window=self.window,
                              sinks=self.sinks, conv_tail=tail)

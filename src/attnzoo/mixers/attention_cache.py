@@ -163,9 +163,14 @@ class StaticKVCache(LayerCache):
     tensors and one compiled step serves every position."""
 
     static = True
+    # keys/values stored in less precision than computed (a KV format, mixers/kv_quant.py): a chunk's own keys are
+    # attended as computed, the past as stored (`with_chunk`), as the dynamic format caches do
+    lossy = False
 
     def __init__(self, batch: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
-                 window: Optional[int] = None, sinks: int = 0, conv_tail: Optional[torch.Tensor] = None) -> None:
+                 window: Optional[int] = None, sinks: int = 0, conv_tail: Optional[torch.Tensor] = None,
+                 lossy: bool = False) -> None:
+        self.lossy = lossy
         shape = (batch, n_kv_heads, slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -178,6 +183,11 @@ class StaticKVCache(LayerCache):
     @property
     def ring(self) -> bool:
         return self.window is not None
+
+    @property
+    def chunks(self) -> bool:
+        """Whether a chunk of several tokens may follow the prefill (a ring: one token at a time)."""
+        return not self.ring
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """New keys/values (B, Hkv, T, D) at `positions` (B, T), each into its slot (a ring takes the last W of
@@ -218,3 +228,16 @@ class StaticKVCache(LayerCache):
         held = int(lengths.clamp(max=self.k.shape[2]).sum()) + int(lengths.clamp(max=self.sinks).sum())
         tail = 0 if self.conv_tail is None else self.conv_tail.numel() * self.conv_tail.element_size()
         return per_slot * held + tail
+
+
+def with_chunk(keys: torch.Tensor, values: torch.Tensor, held: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys/values (B, Hkv, S, D) read from a lossy static cache, holding positions `held` (B, S), with the slots of
+    the chunk just written (positions first .. first + T - 1, first (B,)) replaced by its keys/values as computed,
+    k/v (B, Hkv, T, D): the past as stored, the chunk's own tokens in full precision."""
+    B, Hkv, S, D = keys.shape
+    rel = held - first[:, None]
+    inside = ((rel >= 0) & (rel < k.shape[2]))[:, None, :, None]
+    idx = rel.clamp(0, k.shape[2] - 1)[:, None, :, None].expand(B, Hkv, S, D)
+    return (torch.where(inside, k.gather(2, idx).to(keys.dtype), keys),
+            torch.where(inside, v.gather(2, idx).to(values.dtype), values))

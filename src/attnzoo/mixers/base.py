@@ -204,8 +204,8 @@ class Mixer(nn.Module):
     def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Any:
         """The static form of this mixer's cache (layers/kv_cache.StaticModelCache: the compiled decode of
         attnzoo.models.decoding): `static = True`, every tensor allocated here for positions 0 .. max_len - 1
-        and written in place, no Python number that changes per token. None: this mixer has no static cache yet
-        (decoding uses its dynamic `new_cache`, eager)."""
+        and written in place, no Python number that changes per token (`kv_quantizable` mixers also take
+        `kv_format=`). None: this mixer has no static cache (decoding uses its dynamic `new_cache`, eager)."""
         return None
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import MIXERS
-from attnzoo.mixers.attention_cache import KVCache
+from attnzoo.layers.kv_cache import LayerCache
+from attnzoo.mixers.attention_cache import KVCache, StaticKVCache
 from attnzoo.mixers.base import dtype_bytes
 
 KV_CACHE_DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -104,6 +105,15 @@ class KVFormat:
         if self.bits is not None:
             return QuantizedKVCache(self)
         return KVCache()
+
+    def new_static_cache(self, batch: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
+                         conv_tail: Optional[torch.Tensor] = None) -> LayerCache:
+        """The static form (attnzoo.models.decoding) of positions 0 .. slots - 1: bf16 slots, or KIVI's codes."""
+        if self.bits is not None:
+            return StaticQuantizedKVCache(self, batch, n_kv_heads, slots, head_dim, dtype, device, conv_tail)
+        store = torch.bfloat16 if self.dtype == "bf16" else dtype
+        return StaticKVCache(batch, n_kv_heads, slots, head_dim, store, device, conv_tail=conv_tail,
+                             lossy=self.dtype == "bf16")
 
     def kv_bytes(self, context_len: int, batch: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Analytic bytes of one layer's keys and values after `context_len` tokens (module docstring);
@@ -244,6 +254,95 @@ class QuantizedKVCache(KVCache):
         if past_k is None:
             return k, v
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+
+class StaticQuantizedKVCache(LayerCache):
+    """The static form of `QuantizedKVCache` (layers/kv_cache.py: allocated once, written in place, positions as
+    tensors), for positions 0 .. S - 1:
+
+      k_codes, v_codes   (B, n_kv_heads, S, D * b / 8) uint8     slot s: position s, once quantized
+      k_scale, k_zero    (B, n_kv_heads, ceil(S / G), D) fp16
+      v_scale, v_zero    (B, n_kv_heads, S, ceil(D / G)) fp16
+      k, v               (B, n_kv_heads, R + G, D)               the full-precision window: a ring, position p in
+                                                                slot p % (R + G) (it never holds more)
+
+    A one-token step writes its token into the ring and quantizes group j from the ring when the step brings the
+    row's count to R + (j + 1) G (every row computes its group; only the rows it is due for write it), so each
+    group is quantized once, from the same full-precision values, as `QuantizedKVCache` does. A prefill (every row
+    from position 0) quantizes its whole groups at once; after it, one token at a time (`chunks` False)."""
+
+    static = True
+    ring = False  # every position has a slot; Attention.attend_static reads them under the position mask
+    chunks = False  # the window holds R + G tokens: a longer chunk after the prefill would overwrite what it reads
+    lossy = False  # a step's own token is read from the window, as computed (keys(): n_q of the tokens before it)
+
+    def __init__(self, fmt: KVFormat, batch: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
+                 device, conv_tail: Optional[torch.Tensor] = None) -> None:
+        self.fmt = fmt
+        G, b = fmt.group_size, fmt.bits
+        zeros = lambda *shape, dt=SCALE_DTYPE: torch.zeros(batch, n_kv_heads, *shape, dtype=dt, device=device)  # noqa: E731
+        self.k_codes = zeros(slots, head_dim * b // 8, dt=torch.uint8)
+        self.v_codes = zeros(slots, head_dim * b // 8, dt=torch.uint8)
+        self.k_scale, self.k_zero = zeros(-(-slots // G), head_dim), zeros(-(-slots // G), head_dim)
+        self.v_scale, self.v_zero = zeros(slots, -(-head_dim // G)), zeros(slots, -(-head_dim // G))
+        self.k = zeros(fmt.residual + G, head_dim, dt=dtype)
+        self.v = zeros(fmt.residual + G, head_dim, dt=dtype)
+        self.conv_tail = conv_tail
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """New keys/values (B, Hkv, T, D) at `positions` (B, T)."""
+        T, G, b, W = k.shape[2], self.fmt.group_size, self.fmt.bits, self.k.shape[2]
+        if T > 1 and int(positions[:, 0].max()) == 0:  # a prefill: its whole groups at once
+            n_q = self.fmt.n_quantized(T)
+            if n_q:
+                kq, ks, kz = quantize(k[:, :, :n_q], axis=2, group=G, bits=b)
+                vq, vs, vz = quantize(v[:, :, :n_q], axis=3, group=G, bits=b)
+                self.k_codes[:, :, :n_q], self.k_scale[:, :, :n_q // G], self.k_zero[:, :, :n_q // G] = pack(kq, b), ks, kz
+                self.v_codes[:, :, :n_q], self.v_scale[:, :, :n_q], self.v_zero[:, :, :n_q] = pack(vq, b), vs, vz
+            slot = torch.arange(n_q, T, device=k.device) % W
+            self.k[:, :, slot], self.v[:, :, slot] = k[:, :, n_q:].to(self.k.dtype), v[:, :, n_q:].to(self.v.dtype)
+            return
+        rows = torch.arange(k.shape[0], device=k.device)
+        p = positions[:, 0]
+        self.k[rows, :, p % W], self.v[rows, :, p % W] = k[:, :, 0].to(self.k.dtype), v[:, :, 0].to(self.v.dtype)
+        n, R = p + 1, self.fmt.residual
+        due = (n >= R + G) & ((n - R) % G == 0)  # (B,): group j leaves the window with this token
+        j = ((n - R) // G - 1).clamp(min=0)
+        toks = (j[:, None] * G + torch.arange(G, device=k.device)).clamp(max=self.k_codes.shape[2] - 1)  # (B, G)
+        rr = rows[:, None]
+        gk, gv = self.k[rr, :, toks % W].transpose(1, 2), self.v[rr, :, toks % W].transpose(1, 2)  # (B, Hkv, G, D)
+        kq, ks, kz = quantize(gk, axis=2, group=G, bits=b)
+        vq, vs, vz = quantize(gv, axis=3, group=G, bits=b)
+        def put(buf: torch.Tensor, idx: tuple, new: torch.Tensor) -> None:  # where due, else as it was
+            buf[idx] = torch.where(due.view(-1, *[1] * (new.dim() - 1)), new, buf[idx])
+
+        put(self.k_codes, (rr, slice(None), toks), pack(kq, b).transpose(1, 2))
+        put(self.v_codes, (rr, slice(None), toks), pack(vq, b).transpose(1, 2))
+        put(self.v_scale, (rr, slice(None), toks), vs.transpose(1, 2))
+        put(self.v_zero, (rr, slice(None), toks), vz.transpose(1, 2))
+        jj = j.clamp(max=self.k_scale.shape[2] - 1)
+        put(self.k_scale, (rows, slice(None), jj), ks[:, :, 0])
+        put(self.k_zero, (rows, slice(None), jj), kz[:, :, 0])
+
+    def keys(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, key_positions (B, S)) for a token at `last` (B,): slot s dequantized where position s was
+        held quantized before this token (s < n_q(last), as `QuantizedKVCache` reads the past before its update),
+        else the window's copy (slots past `last`: masked)."""
+        G, b, D, W = self.fmt.group_size, self.fmt.bits, self.k.shape[3], self.k.shape[2]
+        S = self.k_codes.shape[2]
+        slot = torch.arange(S, device=last.device)
+        n_q = G * ((last - self.fmt.residual).clamp(min=0) // G)
+        quantized = (slot < n_q[:, None])[:, None, :, None]
+        k = dequantize(unpack(self.k_codes, b, D), self.k_scale, self.k_zero, axis=2, group=G, dtype=self.k.dtype)
+        v = dequantize(unpack(self.v_codes, b, D), self.v_scale, self.v_zero, axis=3, group=G, dtype=self.v.dtype)
+        return (torch.where(quantized, k, self.k[:, :, slot % W]), torch.where(quantized, v, self.v[:, :, slot % W]),
+                slot.expand(last.shape[0], S))
+
+    def filled_bytes(self, lengths: torch.Tensor) -> int:
+        """Per row: `KVFormat.kv_bytes` of its length (codes, scales, the full-precision window) and the conv tail."""
+        _, H, _, D = self.k.shape
+        tail = 0 if self.conv_tail is None else self.conv_tail.numel() * self.conv_tail.element_size()
+        return sum(self.fmt.kv_bytes(int(n), 1, H, D, self.k.dtype) for n in lengths) + tail
 
 
 # ----------------------------------------------------------------------------- quantization

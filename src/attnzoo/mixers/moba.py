@@ -6,7 +6,7 @@ its own block plus the `topk - 1` best of them (ops/sparse_attention.py: math an
 block_sparse.py: what it shares with NSA). A query in the first `topk` blocks therefore sees every earlier key:
 MoBA is full attention up to `topk * block_size` tokens and sparse beyond.
 
-Decode cache (`BlockMeansCache`): every key/value plus the mean key of every complete block:
+Decode cache (`BlockMeansCache`; static: `StaticBlockMeansCache`): every key/value plus the mean key of every complete block:
 Hkv * D * (2 L + floor(L / BS)) values after L tokens.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from attnzoo.ops.sparse_attention import moba_attention, moba_keys
+from attnzoo.ops.sparse_attention import moba_attention, moba_attention_static, moba_keys
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import dtype_bytes
 from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
@@ -43,9 +43,12 @@ class MixtureOfBlockAttention(BlockSparseAttention):
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[BlockMeansCache] = None):
         T = x.shape[1]
         x = self.shift(x, cache)
-        q, k, v, k_mean, _ = self.blocks(x, positions, cache)
-        y = moba_attention(q, k, v, k_mean, q_start=k.shape[2] - T, block_size=self.block_size, topk=self.topk,
-                           scale=self.scale, reference=self.impl == "reference")
+        q, k, v, k_mean, _, qpos = self.blocks(x, positions, cache)
+        kw = dict(block_size=self.block_size, topk=self.topk, scale=self.scale, reference=self.impl == "reference")
+        if qpos is None:
+            y = moba_attention(q, k, v, k_mean, q_start=k.shape[2] - T, **kw)
+        else:  # a static cache's decode step
+            y = moba_attention_static(q, k, v, k_mean, qpos, **kw)
         return self.output(y, x)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:

@@ -9,8 +9,9 @@ Departures from the paper, shared with fla-core's reference (`fla/ops/nsa/naive.
 compression and selection (the paper: compression blocks of 32 at stride 16, selection blocks of 64), and
 compression by the mean of a block's keys/values (the paper: a learned MLP with intra-block positions).
 
-Decode cache (`BlockMeansCache` with values): every key/value (selection may pick any past block) plus the mean
-key/value of every complete block: 2 * Hkv * D * (L + floor(L / BS)) values after L tokens.
+Decode cache (`BlockMeansCache` with values; static: `StaticBlockMeansCache`): every key/value (selection may pick
+any past block) plus the mean key/value of every complete block: 2 * Hkv * D * (L + floor(L / BS)) values after L
+tokens.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.ops.sparse_attention import nsa_attention, nsa_keys
+from attnzoo.ops.sparse_attention import nsa_attention, nsa_attention_static, nsa_keys
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import causal_attended, dtype_bytes
 from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
@@ -55,11 +56,14 @@ class NativeSparseAttention(BlockSparseAttention):
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[BlockMeansCache] = None):
         B, T, _ = x.shape
         x = self.shift(x, cache)
-        q, k, v, k_cmp, v_cmp = self.blocks(x, positions, cache)
+        q, k, v, k_cmp, v_cmp, qpos = self.blocks(x, positions, cache)
         gates = torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, 3).permute(3, 0, 2, 1)  # 3 x (B, H, T)
-        y = nsa_attention(q, k, v, k_cmp, v_cmp, gates[0], gates[1], gates[2], q_start=k.shape[2] - T,
-                          block_size=self.block_size, block_counts=self.block_counts, window=self.window,
-                          scale=self.scale, reference=self.impl == "reference")
+        kw = dict(block_size=self.block_size, block_counts=self.block_counts, window=self.window, scale=self.scale,
+                  reference=self.impl == "reference")
+        if qpos is None:
+            y = nsa_attention(q, k, v, k_cmp, v_cmp, *gates, q_start=k.shape[2] - T, **kw)
+        else:  # a static cache's decode step
+            y = nsa_attention_static(q, k, v, k_cmp, v_cmp, *gates, qpos, **kw)
         return self.output(y, x)
 
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:

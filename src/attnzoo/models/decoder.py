@@ -220,15 +220,16 @@ class DecoderLM(nn.Module):
         return ModelCache([m.new_cache(batch, max_len, dtype, device, **format_kwargs(m, kv_format)) for m in self.mixers])
 
     def new_static_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                         device=None) -> Optional[StaticModelCache]:
+                         device=None, kv_format=None) -> Optional[StaticModelCache]:
         """A `StaticModelCache` for `batch` rows of positions 0 .. max_len - 1 (every buffer allocated now and
         written in place; each row's position a tensor): the cache of one compiled decode step
-        (attnzoo.models.decoding). None when a layer's mixer has no static cache (`static_cache_missing`)."""
+        (attnzoo.models.decoding); kv_format: the KV format of the layers that take one (mixers/kv_quant.py). None
+        when a layer's mixer has no static cache (`static_cache_missing`)."""
         if self.static_cache_missing():
             return None
         device = device or self.embed.weight.device
-        return StaticModelCache([m.new_static_cache(batch, max_len, dtype, device) for m in self.mixers], batch,
-                                max_len, device)
+        return StaticModelCache([m.new_static_cache(batch, max_len, dtype, device, **format_kwargs(m, kv_format))
+                                 for m in self.mixers], batch, max_len, device)
 
     def static_cache_missing(self) -> list:
         """The mixers (names, in layer order, once each) whose caches have no static form (Mixer.new_static_cache)."""

@@ -17,8 +17,10 @@ argmax(p / E), E ~ Exp(1) (a draw from p, as multinomial's; the noise comes from
 reproduces a completion). Temperature 0 is argmax. Stop: `eos_id` and stop strings (`stop`, matched on each row's
 decoded text) end a row; the batch ends when every row has ended (or after max_new_tokens).
 
-A model whose mixers lack a static cache (`DecoderLM.static_cache_missing`: NSA, MoBA, and the KV-quantized
-formats, for now) decodes through its dynamic cache, eager (`Decoder.path` says which, and why).
+Every mixer in the zoo has a static cache, in every KV format (`kv_format`: bf16 slots or KIVI's int8 / int4 codes
+with a ring of R + G full-precision tokens, mixers/kv_quant.py). A mixer without one (`DecoderLM.
+static_cache_missing`: a user's mixer that does not implement `new_static_cache`) decodes through its dynamic
+cache, eager (`Decoder.path` says which, and why).
 """
 from __future__ import annotations
 
@@ -76,10 +78,8 @@ class Decoder:
         self.dtype = dtype or model.embed.weight.dtype
         self.kv_format = None if kv_format is None or kv_format.dtype == "fp32" else kv_format
         missing = model.static_cache_missing()
-        self.cache = None if self.kv_format else model.new_static_cache(batch, max_len, self.dtype, device)
-        if self.kv_format is not None:
-            self.path = f"eager, dynamic cache (KV format {self.kv_format.dtype}: no static form yet)"
-        elif self.cache is None:
+        self.cache = model.new_static_cache(batch, max_len, self.dtype, device, kv_format=self.kv_format)
+        if self.cache is None:
             self.path = f"eager, dynamic cache ({', '.join(missing)}: no static cache yet)"
         elif compile and getattr(getattr(model.cfg, "position", None), "scaling", None) == "dynamic":
             compile = False  # dynamic NTK reads the largest position as a number: no single graph for every step

@@ -59,21 +59,42 @@ def nsa_selection_scores(p_cmp: torch.Tensor, n_kv_heads: int, qpos: torch.Tenso
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of every candidate block for every query, and which blocks may be selected.
 
-    p_cmp (B, H, Tq, NC): the compressed branch's attention probabilities. Returns scores (B, Hkv, Tq, NB)
-    with NB = ceil(n_keys / BS) (the current partial block is a candidate): the group mean of p_cmp, 1.0 for
-    the forced blocks (first, previous, current), NEG where a block is neither complete in the past nor forced;
-    and allowed (Tq, NB)."""
+    p_cmp (B, H, Tq, NC): the compressed branch's attention probabilities; qpos the queries' positions, (Tq,) or
+    per row (B, 1, Tq). Returns scores (B, Hkv, Tq, NB) with NB = ceil(n_keys / BS) (the current partial block is
+    a candidate): the group mean of p_cmp, 1.0 for the forced blocks (first, previous, current), NEG where a block
+    is neither complete in the past nor forced; and allowed ((Tq, NB) or (B, 1, Tq, NB))."""
     B, H, Tq, NC = p_cmp.shape
     NB = -(-n_keys // block_size)
     score = p_cmp.reshape(B, n_kv_heads, H // n_kv_heads, Tq, NC).mean(dim=2)
     if NB > NC:
         score = torch.cat([score, score.new_zeros(B, n_kv_heads, Tq, NB - NC)], dim=-1)
-    c = torch.arange(NB, device=qpos.device)[None, :]
-    blk = (qpos // block_size)[:, None]
+    score = score[..., :NB]
+    c = torch.arange(NB, device=qpos.device)
+    blk = (qpos // block_size)[..., None]
     forced = (c == blk) | (c == 0) | (c == blk - 1)
-    allowed = forced | ((c + 1) * block_size - 1 <= qpos[:, None])
+    allowed = forced | ((c + 1) * block_size - 1 <= qpos[..., None])
     score = torch.where(forced, torch.ones_like(score), score).masked_fill(~allowed, NEG)
     return score, allowed
+
+
+def _nsa_masks(q, k_cmp, v_cmp, qpos, n_keys: int, *, block_size: int, block_counts: int, scale: float):
+    """The compressed branch's output (B, H, Tq, D) and the selected branch's token mask ((B, Hkv, Tq, n_keys))
+    for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at positions 0 .. n_keys - 1."""
+    B, H, Tq, D = q.shape
+    Hkv, NC = k_cmp.shape[1], k_cmp.shape[2]
+    # compressed branch: its probabilities also rank the blocks for selection
+    s = torch.matmul(q, expand_heads(k_cmp, H).transpose(-1, -2)) * scale  # (B, H, Tq, NC)
+    visible = (torch.arange(NC, device=q.device) + 1) * block_size - 1 <= qpos[..., None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # no visible block: 0
+    o_cmp = torch.matmul(p, expand_heads(v_cmp, H))
+    # selected branch: top blocks per (query, KV head), the token mask over their keys
+    score, allowed = nsa_selection_scores(p, Hkv, qpos, n_keys, block_size)
+    NB = score.shape[-1]
+    idx = score.topk(min(block_counts, NB), dim=-1).indices
+    ok = allowed.expand(B, Hkv, Tq, NB).gather(-1, idx)
+    chosen = torch.zeros(B, Hkv, Tq, NB, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
+    causal = torch.arange(n_keys, device=q.device) <= qpos[..., None]
+    return o_cmp, chosen.repeat_interleave(block_size, dim=-1)[..., :n_keys] & causal
 
 
 def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, q_start: int, block_size: int,
@@ -84,23 +105,10 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, q_start: int, b
         return _nsa_reference(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_start=q_start, block_size=block_size,
                               block_counts=block_counts, window=window, scale=scale)
     B, H, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Tk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    qpos = _positions(q_start, Tq, q.device)
-    NC = k_cmp.shape[2]
-    # compressed branch: its probabilities also rank the blocks for selection
-    s = torch.matmul(q, expand_heads(k_cmp, H).transpose(-1, -2)) * scale  # (B, H, Tq, NC)
-    visible = (torch.arange(NC, device=q.device)[None, :] + 1) * block_size - 1 <= qpos[:, None]
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # no visible block: 0
-    o_cmp = torch.matmul(p, expand_heads(v_cmp, H))
-    # selected branch: top blocks per (query, KV head), the token mask over their keys, one masked SDPA
-    score, allowed = nsa_selection_scores(p, Hkv, qpos, Tk, block_size)
-    NB = score.shape[-1]
-    idx = score.topk(min(block_counts, NB), dim=-1).indices
-    ok = allowed.expand(B, Hkv, Tq, NB).gather(-1, idx)
-    chosen = torch.zeros(B, Hkv, Tq, NB, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
-    causal = torch.arange(Tk, device=q.device)[None, :] <= qpos[:, None]
-    mask = chosen.repeat_interleave(block_size, dim=-1)[..., :Tk] & causal
+    o_cmp, mask = _nsa_masks(q, k_cmp, v_cmp, _positions(q_start, Tq, q.device), Tk, block_size=block_size,
+                             block_counts=block_counts, scale=scale)
     ke, ve = expand_heads(k, H), expand_heads(v, H)
     o_slc = F.scaled_dot_product_attention(q, ke, ve, attn_mask=expand_heads(mask, H), scale=scale)
     o = g_slc[..., None] * o_slc + g_cmp[..., None] * o_cmp
@@ -112,6 +120,57 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, q_start: int, b
             o_swa = F.scaled_dot_product_attention(q, ke, ve, attn_mask=band, scale=scale)
         o = o + g_swa[..., None] * o_swa
     return o
+
+
+def grouped_sdpa(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked SDPA of q (B, H, T, D) over k/v (B, Hkv, S, D) with the query heads of a group as query rows of their KV
+    head (the keys read once, not copied H / Hkv times); mask (B, M, T, S) with M = 1, Hkv or H."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G, M = H // Hkv, mask.shape[1]
+    if M == H:
+        mask = mask.reshape(B, Hkv, G * T, S)
+    else:
+        mask = mask[:, :, None].expand(B, M, G, T, S).reshape(B, M, G * T, S)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, H, T, v.shape[-1])
+
+
+def nsa_attention_static(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, qpos: torch.Tensor, *, block_size: int,
+                         block_counts: int, window: int, scale: Optional[float] = None, reference: bool = False):
+    """NSA through a static cache: q (B, H, Tq, D) at per-row positions qpos (B, Tq), k/v (B, Hkv, S, D) with slot s
+    holding position s (slots past a row's query: masked), k_cmp/v_cmp (B, Hkv, ceil(S / BS), D) the block means
+    (a block not complete yet: never read). Every mask a function of tensors, one graph for every position.
+    Reference: `_nsa_reference` row by row and query by query over the keys up to the query."""
+    B, H, Tq, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    if reference:
+        return _static_reference(_nsa_reference, q, k, v, qpos, block_size, (k_cmp, v_cmp), (g_cmp, g_slc, g_swa),
+                                 block_counts=block_counts, window=window, scale=scale)
+    S = k.shape[2]
+    pos = qpos[:, None]  # (B, 1, Tq)
+    o_cmp, mask = _nsa_masks(q, k_cmp, v_cmp, pos, S, block_size=block_size, block_counts=block_counts, scale=scale)
+    o = g_slc[..., None] * grouped_sdpa(q, k, v, mask, scale) + g_cmp[..., None] * o_cmp
+    if window > 0:
+        key = torch.arange(S, device=q.device)
+        band = (key <= pos[..., None]) & (key > pos[..., None] - window)  # (B, 1, Tq, S)
+        o = o + g_swa[..., None] * grouped_sdpa(q, k, v, band, scale)
+    return o
+
+
+def _static_reference(fn, q, k, v, qpos, block_size: int, means: tuple, per_query: tuple, **kw):
+    """A reference form over a static cache: each row's each query alone, at its position p, over the keys 0..p
+    and the means of the blocks complete by then (`fn`: _nsa_reference or _moba_reference; `per_query`: tensors
+    (B, H, Tq) sliced with the query, as NSA's gates)."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            p = int(qpos[b, i])
+            n = (p + 1) // block_size
+            args = [t[b:b + 1, :, :n] for t in means] + [t[b:b + 1, :, i:i + 1] for t in per_query]
+            out[b:b + 1, :, i:i + 1] = fn(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1], *args,
+                                          q_start=p, block_size=block_size, **kw)
+    return out
 
 
 def _softmax_attend(qi: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -175,23 +234,44 @@ def moba_attention(q, k, v, k_mean, *, q_start: int, block_size: int, topk: int,
     = the means of the complete key blocks. -> (B, H, Tq, D)."""
     if reference:
         return _moba_reference(q, k, v, k_mean, q_start=q_start, block_size=block_size, topk=topk, scale=scale)
-    B, H, Tq, D = q.shape
-    Tk, NC = k.shape[2], k_mean.shape[2]
-    qpos = _positions(q_start, Tq, q.device)
-    blk = qpos // block_size
-    key_pos = torch.arange(Tk, device=q.device)[None, :]
-    mask = ((key_pos // block_size) == blk[:, None]) & (key_pos <= qpos[:, None])  # own block, causal
-    mask = mask.expand(B, H, Tq, Tk)
+    Tk = k.shape[2]
+    mask = _moba_mask(q, k_mean, _positions(q_start, q.shape[2], q.device), Tk, block_size=block_size, topk=topk)
+    H = q.shape[1]
+    return F.scaled_dot_product_attention(q, expand_heads(k, H), expand_heads(v, H), attn_mask=mask, scale=scale)
+
+
+def _moba_mask(q, k_mean, qpos, n_keys: int, *, block_size: int, topk: int) -> torch.Tensor:
+    """MoBA's token mask (B, H, Tq, n_keys) for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at
+    positions 0 .. n_keys - 1: the own block up to the query, and the `topk - 1` best complete past blocks by
+    q . mean(K_block) (k_mean (B, Hkv, NC, D); a block not complete at the query is never picked)."""
+    B, H, Tq, _ = q.shape
+    NC = k_mean.shape[2]
+    blk = (qpos // block_size)[..., None]
+    key_pos = torch.arange(n_keys, device=q.device)
+    mask = ((key_pos // block_size) == blk) & (key_pos <= qpos[..., None])  # own block, causal
+    mask = mask.expand(B, H, Tq, n_keys)
     n_pick = min(topk - 1, NC)
     if n_pick > 0:
         gate = torch.matmul(q, expand_heads(k_mean, H).transpose(-1, -2))  # (B, H, Tq, NC)
-        past = torch.arange(NC, device=q.device)[None, :] < blk[:, None]
+        past = torch.arange(NC, device=q.device) < blk
         idx = gate.masked_fill(~past, float("-inf")).topk(n_pick, dim=-1).indices
         ok = past.expand(B, H, Tq, NC).gather(-1, idx)
         chosen = torch.zeros(B, H, Tq, NC, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
-        picked = chosen.repeat_interleave(block_size, dim=-1)
-        mask = mask | F.pad(picked, (0, Tk - picked.shape[-1]))
-    return F.scaled_dot_product_attention(q, expand_heads(k, H), expand_heads(v, H), attn_mask=mask, scale=scale)
+        picked = chosen.repeat_interleave(block_size, dim=-1)[..., :n_keys]
+        mask = mask | F.pad(picked, (0, n_keys - picked.shape[-1]))
+    return mask
+
+
+def moba_attention_static(q, k, v, k_mean, qpos: torch.Tensor, *, block_size: int, topk: int,
+                          scale: Optional[float] = None, reference: bool = False):
+    """MoBA through a static cache: q (B, H, Tq, D) at per-row positions qpos (B, Tq), k/v (B, Hkv, S, D) with slot
+    s holding position s, k_mean (B, Hkv, ceil(S / BS), D) (a block not complete yet: never picked). Reference:
+    `_moba_reference` row by row and query by query over the keys up to the query."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if reference:
+        return _static_reference(_moba_reference, q, k, v, qpos, block_size, (k_mean,), (), topk=topk, scale=scale)
+    mask = _moba_mask(q, k_mean, qpos[:, None], k.shape[2], block_size=block_size, topk=topk)
+    return grouped_sdpa(q, k, v, mask, scale)
 
 
 def _moba_reference(q, k, v, k_mean, *, q_start, block_size, topk, scale):

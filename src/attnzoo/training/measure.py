@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: int, dtype=torch.float32,
                       kv_format=None, compile: bool = False) -> dict:
     """Prefill `context_len` random tokens (batch 1), then decode `decode_tokens` more, greedy, through
-    attnzoo.models.decoding.Decoder: the static cache (the dynamic one where a mixer or `kv_format` has no static
+    attnzoo.models.decoding.Decoder: the static cache (in `kv_format`; the dynamic one where a mixer has no static
     form), the step compiled with `compile` (its compile happens in an untimed first step).
 
     Returns cache/bytes_at_ctx (measured from the cache's tensors after the prefill: what it holds), the decode
