@@ -12,6 +12,13 @@ bytes / token = (weights read by a step + batch x the analytic cache bytes at th
 but the embedding table (one row of it), and `cache_bytes(context)` per row (what must be read; full attention's
 static cache reads its padded slots too, max_len = context + steps + 2). roofline tokens/s = bandwidth / bytes per
 token, the bandwidth measured here (torch.sum over 256 MiB, best of 5, all threads).
+
+The attainable roofline: a decode step is matrix-vector products over the weights (and, for attention, over the
+cache), so it can read no faster than torch's own GEMV does here. `gemv_bandwidth` times plain `F.linear` over
+every matrix of the same model, one after another, `batch` vectors each (nothing else: no attention, no norms, no
+Python between them beyond one call per matrix): GEMV roofline tokens/s = that bandwidth / bytes per token. The
+ratio to it says how much of a step is the mixer's reads and how much is overhead, whatever the CPU's GEMV kernel
+reaches of the memory bandwidth.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from attnzoo.bench.common import sync, windowed
 from attnzoo.models.decoding import Decoder
@@ -97,6 +106,24 @@ def bandwidth(mib: int, device="cpu") -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best
+
+
+def gemv_bandwidth(model, batch: int, device="cpu", reps: int = 5) -> float:
+    """Bytes/s torch reads `model`'s matrices at when each multiplies `batch` vectors: F.linear over every nn.Linear
+    weight (the LM head included), one after another, best of `reps` (module docstring)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    xs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    for x, w in zip(xs, weights):
+        F.linear(x, w)
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        for x, w in zip(xs, weights):
+            F.linear(x, w)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return sum(w.numel() * w.element_size() for w in weights) / best
 
 
 def weight_bytes(model) -> int:
@@ -187,11 +214,13 @@ def run(args) -> dict:
         per_context = grows(model)
         for batch in args.batches:
             shared = {}
+            gemv = gemv_bandwidth(model, batch, args.device)
             for context in args.contexts:
                 cache_b = model.cache_bytes(context, 1, torch.float32)
                 bpt = (w + batch * cache_b) / batch
                 row = {"mixer": mixer, "context": context, "batch": batch, "weights MB": w / 1e6,
-                       "cache MB/row": cache_b / 1e6, "bytes/token MB": bpt / 1e6, "roofline tok/s": bw / bpt}
+                       "cache MB/row": cache_b / 1e6, "bytes/token MB": bpt / 1e6, "roofline tok/s": bw / bpt,
+                       "GEMV GB/s": gemv / 1e9, "GEMV roofline tok/s": gemv / bpt}
                 for name, comp in modes:
                     max_len = context + args.steps + 2 if per_context else max(args.contexts) + args.steps + 2
                     dec = shared.get(name) if not per_context else None
@@ -204,6 +233,7 @@ def run(args) -> dict:
                         failures.append(f"{mixer}, context {context}, batch {batch}: {dec.path}")
                         continue
                     row[f"{name} % roofline"] = 100 * row[f"{name} tok/s"] / row["roofline tok/s"]
+                    row[f"{name} % GEMV roofline"] = 100 * row[f"{name} tok/s"] / row["GEMV roofline tok/s"]
                 if len(modes) == 2 and row.get("compiled tok/s"):
                     row["compiled / eager"] = row["compiled tok/s"] / row["eager tok/s"]
                 rows.append(row)
@@ -218,13 +248,15 @@ def run(args) -> dict:
                 continue
             peers.append({"context": context, "attnzoo compiled tok/s": ours, "transformers static+compile tok/s": theirs,
                           "attnzoo / transformers": ours / theirs})
-    cols = ["mixer", "context", "batch", "weights MB", "cache MB/row", "bytes/token MB", "roofline tok/s", "eager tok/s",
-            "eager % roofline"]
+    cols = ["mixer", "context", "batch", "weights MB", "cache MB/row", "bytes/token MB", "roofline tok/s", "GEMV GB/s",
+            "GEMV roofline tok/s", "eager tok/s", "eager % roofline", "eager % GEMV roofline"]
     if len(modes) == 2:
-        cols += ["compiled tok/s", "compiled % roofline", "compiled / eager"]
+        cols += ["compiled tok/s", "compiled % roofline", "compiled % GEMV roofline", "compiled / eager"]
     notes = [f"Memory bandwidth {bw / 1e9:.2f} GB/s (torch.sum over {args.bandwidth_mib} MiB, {torch.get_num_threads()} "
              f"threads). Model: d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} "
-             f"KV), SwiGLU {args.d_ff}, vocab {args.vocab}, fp32; sliding_window W={args.window}. Best of 3 x {args.steps} steps."]
+             f"KV), SwiGLU {args.d_ff}, vocab {args.vocab}, fp32; sliding_window W={args.window}. Best of 3 x {args.steps} steps. "
+             f"GEMV GB/s: plain F.linear over every matrix of the row's model, `batch` vectors each (the attainable "
+             f"roofline: module docstring of attnzoo/bench/decode.py)."]
     if peers:
         from attnzoo.bench.cli import markdown_table
 
