@@ -28,9 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
 from attnzoo.config.schema import parse_pattern
-from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
 from attnzoo.training.launch import launched_externally
-from attnzoo.training.run import train
 from attnzoo.cli.worker import close_process_group
 
 
@@ -55,6 +53,11 @@ def main() -> None:
 
 def _run_job(cfg: DictConfig) -> float | None:
     """One Hydra job: train(cfg), with the CLI's refusals and the multirun rules above."""
+    # imported here, not at the top: Lightning's import (~5 s) comes after the command line's own checks, so a
+    # refused group option or key is reported in about a second
+    from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
+    from attnzoo.training.run import train
+
     try:
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     except ValueError:
