@@ -154,7 +154,8 @@ def test_decode_bench_rows_follow_the_bytes(tmp_path):
     args = SimpleNamespace(**{**decode_mod.QUICK, "window": 512, "steps": 4, "device": "cpu"})
     for row in res["rows"]:
         m = model_for(args, row["mixer"])
-        want = (weight_bytes(m) + row["batch"] * m.cache_bytes(row["context"], 1, torch.float32)) / row["batch"]
+        want = (weight_bytes(m) + row["batch"] * m.decode_read_bytes(row["context"], 1, torch.float32)) / row["batch"]
+        assert m.decode_read_bytes(row["context"]) == m.cache_bytes(row["context"])  # gqa, gdn: the whole cache
         assert row["bytes/token MB"] == pytest.approx(want / 1e6, rel=1e-12)
         assert row["roofline tok/s"] == pytest.approx(res["bandwidth_bytes_per_sec"] / want, rel=1e-9)
         assert row["GEMV roofline tok/s"] == pytest.approx(row["GEMV GB/s"] * 1e9 / want, rel=1e-9)

@@ -64,6 +64,31 @@ def test_block_sparse_static_decode_equals_full_forward(key, prompt_len, impl):
 
 
 @pytest.mark.parametrize("key", ["nsa", "moba"])
+def test_block_sparse_decode_step_reads_its_blocks_only(key, monkeypatch):
+    """A static decode step gathers the slots of its selected blocks (and NSA's window), not the whole cache: the
+    bytes gathered are decode_read_bytes less the block means and conv tail, flat in the context while the cache
+    grows."""
+    from attnzoo.ops import sparse_attention as sa
+
+    m = build(SPARSE[key]).double()
+    gathered = []
+    real = sa.gather_slots
+    monkeypatch.setattr(sa, "gather_slots", lambda x, slots: gathered.append(real(x, slots)) or gathered[-1])
+    mixer, L = m.mixers[0], 41  # 10 complete blocks of 4 and one partial: selection has a choice
+    x = torch.randint(0, V, (2, L + 1), generator=torch.Generator().manual_seed(9))
+    cache = m.new_static_cache(2, L + 1, torch.float64)
+    with torch.no_grad():
+        m(x[:, :L], cache=cache)
+        gathered.clear()
+        m(x[:, L:], cache=cache)
+    per_layer = sum(g.numel() * g.element_size() for g in gathered) // len(m.mixers)
+    blocks = -(-L // mixer.block_size)
+    means = (2 if key == "nsa" else 1) * mixer.n_kv_heads * mixer.head_dim * blocks * 8 * 2
+    assert per_layer == mixer.decode_read_bytes(L, 2, torch.float64) - means - mixer.input_conv_bytes(2, torch.float64)
+    assert mixer.decode_read_bytes(4 * L) - mixer.decode_read_bytes(L) < (mixer.cache_bytes(4 * L) - mixer.cache_bytes(L)) / 4
+
+
+@pytest.mark.parametrize("key", ["nsa", "moba"])
 def test_block_sparse_rows_of_other_lengths_and_continued_chunks(key):
     """Rows prefilled alone then decoded together at their own positions (each completing blocks at other steps),
     and a full-batch chunk of 5 tokens after the prefill: each row equals its own full forward."""

@@ -8,9 +8,10 @@ filled with random values and every row's position set to the context (a decode 
 the values; a real prefill of 8 rows x 8k tokens would cost minutes). A mixer whose static cache does not grow with
 its length (a state, a window's ring) keeps one decoder, one compile, for every context.
 
-bytes / token = (weights read by a step + batch x the analytic cache bytes at the context) / batch: every parameter
-but the embedding table (one row of it), and `cache_bytes(context)` per row (what must be read; full attention's
-static cache reads its padded slots too, max_len = context + steps + 2). roofline tokens/s = bandwidth / bytes per
+bytes / token = (weights read by a step + batch x the cache bytes a step reads at the context) / batch: every
+parameter but the embedding table (one row of it), and `decode_read_bytes(context)` per row (the whole cache,
+`cache_bytes`, for every mixer but NSA / MoBA, whose steps gather their selected blocks; full attention's static
+cache reads its padded slots too, max_len = context + steps + 2). roofline tokens/s = bandwidth / bytes per
 token, the bandwidth measured here (torch.sum over 256 MiB, best of 5, all threads).
 
 The attainable roofline: a decode step is matrix-vector products over the weights (and, for attention, over the
@@ -217,7 +218,7 @@ def run(args) -> dict:
             gemv = gemv_bandwidth(model, batch, args.device)
             for context in args.contexts:
                 cache_b = model.cache_bytes(context, 1, torch.float32)
-                bpt = (w + batch * cache_b) / batch
+                bpt = (w + batch * model.decode_read_bytes(context, 1, torch.float32)) / batch
                 row = {"mixer": mixer, "context": context, "batch": batch, "weights MB": w / 1e6,
                        "cache MB/row": cache_b / 1e6, "bytes/token MB": bpt / 1e6, "roofline tok/s": bw / bpt,
                        "GEMV GB/s": gemv / 1e9, "GEMV roofline tok/s": gemv / bpt}

@@ -216,6 +216,12 @@ class Mixer(nn.Module):
         conv's K-1 tail. `kv_quantizable` mixers take `kv_format=`. Nothing is refused."""
         raise NotImplementedError
 
+    def decode_read_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """The cache bytes one decode step reads at context `context_len` (the memory side of its decode rate:
+        attnzoo-bench decode's bytes per token). Default: everything the cache holds (`cache_bytes`); a mixer
+        whose step reads a part only (NSA / MoBA: their selected blocks) says so."""
+        return self.cache_bytes(context_len, batch, dtype)
+
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token at context L = `context_len` (>= 1), averaged over positions 1..L, by the
         project's convention (docs/attention.md, "FLOPs per token"): 2 per multiply-add, every projection, the

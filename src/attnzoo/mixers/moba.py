@@ -55,6 +55,14 @@ class MixtureOfBlockAttention(BlockSparseAttention):
         values = self.n_kv_heads * self.head_dim * (2 * context_len + context_len // self.block_size)
         return values * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
 
+    def decode_read_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """A static decode step's reads (ops/sparse_attention._moba_decode): per query head the keys / values of its
+        own and its picked blocks (whole blocks), the mean key of every block, the conv tail."""
+        blocks = -(-context_len // self.block_size)
+        picked = 2 * self.n_heads * self.head_dim * min(self.topk, blocks) * self.block_size
+        means = self.n_kv_heads * self.head_dim * blocks
+        return (picked + means) * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
+
     def flops_per_token(self, context_len: int) -> float:
         gate, keys = moba_keys(context_len, self.block_size, self.topk)
         return self.projection_flops() + 2.0 * self.n_heads * self.head_dim * (gate + 2 * keys)

@@ -70,6 +70,14 @@ class NativeSparseAttention(BlockSparseAttention):
         kv = 2 * self.n_kv_heads * self.head_dim * (context_len + context_len // self.block_size)
         return kv * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
 
+    def decode_read_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """A static decode step's reads (ops/sparse_attention._nsa_decode): the keys / values of its selected
+        blocks (whole blocks) and of its window, the mean keys / values of every block, the conv tail."""
+        blocks = -(-context_len // self.block_size)
+        tokens = min(self.block_counts, blocks) * self.block_size + min(self.window, context_len) + blocks
+        kv = 2 * self.n_kv_heads * self.head_dim * tokens  # keys and values; k_cmp and v_cmp
+        return kv * batch * dtype_bytes(dtype) + self.input_conv_bytes(batch, dtype)
+
     def flops_per_token(self, context_len: int) -> float:
         proj = self.projection_flops() + 2.0 * self.g_proj.in_features * self.g_proj.out_features
         cmp, slc = nsa_keys(context_len, self.block_size, self.block_counts)

@@ -242,6 +242,10 @@ class DecoderLM(nn.Module):
     def cache_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32, kv_format=None) -> int:
         return sum(m.cache_bytes(context_len, batch, dtype, **format_kwargs(m, kv_format)) for m in self.mixers)
 
+    def decode_read_bytes(self, context_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """The cache bytes one decode step reads at `context_len`, over the layers (Mixer.decode_read_bytes)."""
+        return sum(m.decode_read_bytes(context_len, batch, dtype) for m in self.mixers)
+
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token (multiply-add = 2), LM head included, embedding lookup excluded."""
         total = 2.0 * self.cfg.d_model * self.cfg.vocab_size

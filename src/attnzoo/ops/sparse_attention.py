@@ -77,9 +77,10 @@ def nsa_selection_scores(p_cmp: torch.Tensor, n_kv_heads: int, qpos: torch.Tenso
     return score, allowed
 
 
-def _nsa_masks(q, k_cmp, v_cmp, qpos, n_keys: int, *, block_size: int, block_counts: int, scale: float):
-    """The compressed branch's output (B, H, Tq, D) and the selected branch's token mask ((B, Hkv, Tq, n_keys))
-    for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at positions 0 .. n_keys - 1."""
+def _nsa_select(q, k_cmp, v_cmp, qpos, n_keys: int, *, block_size: int, block_counts: int, scale: float):
+    """The compressed branch's output (B, H, Tq, D) and the selected blocks: idx (B, Hkv, Tq, K) with ok (the same
+    shape: False where a pick is not allowed), for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at
+    positions 0 .. n_keys - 1."""
     B, H, Tq, D = q.shape
     Hkv, NC = k_cmp.shape[1], k_cmp.shape[2]
     # compressed branch: its probabilities also rank the blocks for selection
@@ -87,14 +88,41 @@ def _nsa_masks(q, k_cmp, v_cmp, qpos, n_keys: int, *, block_size: int, block_cou
     visible = (torch.arange(NC, device=q.device) + 1) * block_size - 1 <= qpos[..., None]
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # no visible block: 0
     o_cmp = torch.matmul(p, expand_heads(v_cmp, H))
-    # selected branch: top blocks per (query, KV head), the token mask over their keys
+    # selected branch: top blocks per (query, KV head)
     score, allowed = nsa_selection_scores(p, Hkv, qpos, n_keys, block_size)
     NB = score.shape[-1]
     idx = score.topk(min(block_counts, NB), dim=-1).indices
-    ok = allowed.expand(B, Hkv, Tq, NB).gather(-1, idx)
+    return o_cmp, idx, allowed.expand(B, Hkv, Tq, NB).gather(-1, idx)
+
+
+def _nsa_masks(q, k_cmp, v_cmp, qpos, n_keys: int, *, block_size: int, block_counts: int, scale: float):
+    """The compressed branch's output (B, H, Tq, D) and the selected branch's token mask ((B, Hkv, Tq, n_keys))
+    for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at positions 0 .. n_keys - 1."""
+    o_cmp, idx, ok = _nsa_select(q, k_cmp, v_cmp, qpos, n_keys, block_size=block_size, block_counts=block_counts,
+                                 scale=scale)
+    B, Hkv, Tq, _ = idx.shape
+    NB = -(-n_keys // block_size)
     chosen = torch.zeros(B, Hkv, Tq, NB, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
     causal = torch.arange(n_keys, device=q.device) <= qpos[..., None]
     return o_cmp, chosen.repeat_interleave(block_size, dim=-1)[..., :n_keys] & causal
+
+
+def gather_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, S, D) read at slots (B, Hs, n), Hs = Hkv or a multiple (query head h reads KV head h // (Hs /
+    Hkv)) -> (B, Hs, n, D): only the n slots are read and copied (the sparse read of a decode step)."""
+    B, Hkv, S, D = x.shape
+    Hs = slots.shape[1]
+    base = (torch.arange(Hs, device=x.device) // (Hs // Hkv)) * S
+    flat = (slots + base[:, None]).reshape(B, -1)
+    return x.reshape(B, Hkv * S, D).gather(1, flat[..., None].expand(-1, -1, D)).view(B, Hs, -1, D)
+
+
+def _block_slots(blocks: torch.Tensor, ok: torch.Tensor, pos: torch.Tensor, block_size: int, n_slots: int):
+    """Chosen blocks (B, Hs, K) of rows at positions pos (B,) -> their slots (B, Hs, K * BS) (clamped into the
+    cache) and which of them to read: the block allowed (ok) and the slot not past the row's position."""
+    slots = blocks[..., None] * block_size + torch.arange(block_size, device=blocks.device)
+    valid = ok[..., None] & (slots <= pos[:, None, None, None])
+    return slots.flatten(-2).clamp(max=n_slots - 1), valid.flatten(-2)
 
 
 def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, q_start: int, block_size: int,
@@ -149,12 +177,33 @@ def nsa_attention_static(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, qpos: torch
                                  block_counts=block_counts, window=window, scale=scale)
     S = k.shape[2]
     pos = qpos[:, None]  # (B, 1, Tq)
+    if Tq == 1:  # a decode step reads the selected blocks and the window only
+        return _nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, qpos[:, 0], block_size=block_size,
+                           block_counts=block_counts, window=window, scale=scale)
     o_cmp, mask = _nsa_masks(q, k_cmp, v_cmp, pos, S, block_size=block_size, block_counts=block_counts, scale=scale)
     o = g_slc[..., None] * grouped_sdpa(q, k, v, mask, scale) + g_cmp[..., None] * o_cmp
     if window > 0:
         key = torch.arange(S, device=q.device)
         band = (key <= pos[..., None]) & (key > pos[..., None] - window)  # (B, 1, Tq, S)
         o = o + g_swa[..., None] * grouped_sdpa(q, k, v, band, scale)
+    return o
+
+
+def _nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, pos: torch.Tensor, *, block_size: int,
+                block_counts: int, window: int, scale: float):
+    """One query per row at pos (B,): the compressed branch over every block mean, the selected branch over the
+    gathered slots of its K blocks, the window over its W gathered slots (B, Hkv, K * BS + W keys read, not S)."""
+    S = k.shape[2]
+    o_cmp, idx, ok = _nsa_select(q, k_cmp, v_cmp, pos[:, None, None], S, block_size=block_size,
+                                 block_counts=block_counts, scale=scale)
+    slots, valid = _block_slots(idx[:, :, 0], ok[:, :, 0], pos, block_size, S)  # (B, Hkv, K * BS)
+    o = g_slc[..., None] * grouped_sdpa(q, gather_slots(k, slots), gather_slots(v, slots), valid[:, :, None], scale)
+    o = o + g_cmp[..., None] * o_cmp
+    if window > 0:
+        back = pos[:, None] - torch.arange(window, device=q.device)  # (B, W): the window's positions
+        w = back.clamp(min=0)[:, None].expand(-1, k.shape[1], -1)
+        o = o + g_swa[..., None] * grouped_sdpa(q, gather_slots(k, w), gather_slots(v, w), (back >= 0)[:, None, None],
+                                                scale)
     return o
 
 
@@ -240,6 +289,20 @@ def moba_attention(q, k, v, k_mean, *, q_start: int, block_size: int, topk: int,
     return F.scaled_dot_product_attention(q, expand_heads(k, H), expand_heads(v, H), attn_mask=mask, scale=scale)
 
 
+def _moba_select(q, k_mean, qpos, *, block_size: int, topk: int):
+    """The `topk - 1` best complete past blocks by q . mean(K_block) per query head: idx (B, H, Tq, n) and ok (a
+    block not complete at the query is never picked), None when there is nothing to pick (topk 1, no blocks)."""
+    B, H, Tq, _ = q.shape
+    NC = k_mean.shape[2]
+    n_pick = min(topk - 1, NC)
+    if n_pick <= 0:
+        return None, None
+    gate = torch.matmul(q, expand_heads(k_mean, H).transpose(-1, -2))  # (B, H, Tq, NC)
+    past = torch.arange(NC, device=q.device) < (qpos // block_size)[..., None]
+    idx = gate.masked_fill(~past, float("-inf")).topk(n_pick, dim=-1).indices
+    return idx, past.expand(B, H, Tq, NC).gather(-1, idx)
+
+
 def _moba_mask(q, k_mean, qpos, n_keys: int, *, block_size: int, topk: int) -> torch.Tensor:
     """MoBA's token mask (B, H, Tq, n_keys) for queries at qpos ((Tq,), or per row (B, 1, Tq)) over keys at
     positions 0 .. n_keys - 1: the own block up to the query, and the `topk - 1` best complete past blocks by
@@ -250,16 +313,26 @@ def _moba_mask(q, k_mean, qpos, n_keys: int, *, block_size: int, topk: int) -> t
     key_pos = torch.arange(n_keys, device=q.device)
     mask = ((key_pos // block_size) == blk) & (key_pos <= qpos[..., None])  # own block, causal
     mask = mask.expand(B, H, Tq, n_keys)
-    n_pick = min(topk - 1, NC)
-    if n_pick > 0:
-        gate = torch.matmul(q, expand_heads(k_mean, H).transpose(-1, -2))  # (B, H, Tq, NC)
-        past = torch.arange(NC, device=q.device) < blk
-        idx = gate.masked_fill(~past, float("-inf")).topk(n_pick, dim=-1).indices
-        ok = past.expand(B, H, Tq, NC).gather(-1, idx)
+    idx, ok = _moba_select(q, k_mean, qpos, block_size=block_size, topk=topk)
+    if idx is not None:
         chosen = torch.zeros(B, H, Tq, NC, dtype=torch.bool, device=q.device).scatter(-1, idx, ok)
         picked = chosen.repeat_interleave(block_size, dim=-1)[..., :n_keys]
         mask = mask | F.pad(picked, (0, n_keys - picked.shape[-1]))
     return mask
+
+
+def _moba_decode(q, k, v, k_mean, pos: torch.Tensor, *, block_size: int, topk: int, scale: float):
+    """One query per row at pos (B,): each query head reads the slots of its own block and of its picked blocks
+    (B, H, topk * BS keys gathered, not S)."""
+    B, H = q.shape[:2]
+    own = (pos // block_size)[:, None, None].expand(B, H, 1)
+    blocks, ok = own, torch.ones_like(own, dtype=torch.bool)
+    idx, picked_ok = _moba_select(q, k_mean, pos[:, None, None], block_size=block_size, topk=topk)
+    if idx is not None:
+        blocks, ok = torch.cat([own, idx[:, :, 0]], dim=-1), torch.cat([ok, picked_ok[:, :, 0]], dim=-1)
+    slots, valid = _block_slots(blocks, ok, pos, block_size, k.shape[2])  # (B, H, topk * BS)
+    return F.scaled_dot_product_attention(q, gather_slots(k, slots), gather_slots(v, slots),
+                                          attn_mask=valid[:, :, None], scale=scale)
 
 
 def moba_attention_static(q, k, v, k_mean, qpos: torch.Tensor, *, block_size: int, topk: int,
@@ -270,6 +343,8 @@ def moba_attention_static(q, k, v, k_mean, qpos: torch.Tensor, *, block_size: in
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if reference:
         return _static_reference(_moba_reference, q, k, v, qpos, block_size, (k_mean,), (), topk=topk, scale=scale)
+    if q.shape[2] == 1:  # a decode step reads its blocks' slots only
+        return _moba_decode(q, k, v, k_mean, qpos[:, 0], block_size=block_size, topk=topk, scale=scale)
     mask = _moba_mask(q, k_mean, qpos[:, None], k.shape[2], block_size=block_size, topk=topk)
     return grouped_sdpa(q, k, v, mask, scale)
 
