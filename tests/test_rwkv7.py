@@ -297,7 +297,38 @@ def test_cache_holds_the_state_the_token_shift_and_the_conv_tail():
     torch.testing.assert_close(c.conv_tail, x[:, -2:].transpose(1, 2))
 
 
+def test_decay_init_range_starts_each_heads_channels_in_the_range():
+    """decay_init_range [low, high]: at init (the decay LoRA is 0) every head's key channels decay per token from high
+    (channel 0) down to low, the forgetting rates -log w geometric, in every layer, read through the layer's own
+    features (log w = -e^{-1/2} sigmoid(w_0)); every other parameter as the paper's init (same seed, same values)."""
+    low, high, H, dk = 0.99, 0.9999, 4, 16
+    base = tiny_model_cfg({"name": "rwkv7"}, d_model=64, n_heads=H, n_layers=2)
+    slow = tiny_model_cfg({"name": "rwkv7", "decay_init_range": [low, high]}, d_model=64, n_heads=H, n_layers=2)
+    models = []
+    for cfg in (base, slow):
+        torch.manual_seed(0)
+        models.append(DecoderLM(cfg, vocab_size=16).double())
+    for paper, layer in zip(*(m.mixers for m in models)):
+        h, prev = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
+        with torch.no_grad():
+            w = layer.features(h, prev)[1]  # (B, T, H, dk) log decays: the same at every token at init
+        rate = -w[0, 0]  # (H, dk)
+        want = torch.logspace(math.log10(-math.log(high)), math.log10(-math.log(low)), dk, dtype=torch.float64)
+        torch.testing.assert_close(rate, want.expand(H, dk), rtol=1e-6, atol=0)  # fp32 bias: ~1e-7 relative
+        torch.testing.assert_close(w, w[:1, :1].expand_as(w), atol=0, rtol=0)
+        state, paper_state = layer.state_dict(), paper.state_dict()
+        assert not torch.equal(state["w_lora.bias"], paper_state["w_lora.bias"])
+        for name, value in paper_state.items():
+            if name != "w_lora.bias":
+                torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("key, value, match", [
+    ("decay_init_range", [0.5, 0.9], r"mixer.decay_init_range: must be null or \[low, high\] per-token decays with "
+                                      r"0.54524 < low <= high < 1, got \[0.5, 0.9\]"),
+    ("decay_init_range", [0.999, 0.99], r"mixer.decay_init_range: must be null or \[low, high\]"),
+    ("decay_init_range", [0.99, 1.0], r"mixer.decay_init_range: must be null or \[low, high\]"),
+    ("decay_init_range", [0.99], r"mixer.decay_init_range: must be null or \[low, high\]"),
     ("chunk_size", 0, r"mixer.chunk_size: must be >= 1, got 0"),
     ("decay_low_rank_dim", 0, r"mixer.decay_low_rank_dim: must be >= 1 or null, got 0"),
     ("norm_eps", 0.0, r"mixer.norm_eps: must be > 0, got 0.0"),

@@ -18,8 +18,10 @@ packing, and passed between ranks under context parallelism like a short conv's 
 Initialisation as the paper's code and fla's `_initialize_weights` (it depends on layer_idx / model.n_layers): the mixes
 mu_* = 1 - (n / d_model)^(p * (1 - l / L)) with p = 0.2, 0.9, 0.7, 0.7, 0.9, 0.2 for r, w, k, v, a, g; the decay bias
 w_0 = -6 + 6 (n / (n_k - 1))^(1 + (l / (L - 1))^0.3) + 0.5 + 2.5 zigzag (a per-channel spread of forgetting rates,
-slower in deeper layers); a_0 = -0.19 + 0.3 zigzag + 0.4 linear; k_k = 0.71 - 0.1 linear; k_a = 1.02; r_k = -0.04;
-LoRAs down 0, up orthogonal x 0.1; GroupNorm weight ((l + 1) / L)^0.7; r, v orthogonal, k orthogonal x 0.1, o_proj 0.
+slower in deeper layers; `decay_init_range: [low, high]` replaces it by each head's channels starting at per-token
+decays from high down to low, as experiment=mqar does); a_0 = -0.19 + 0.3 zigzag + 0.4 linear; k_k = 0.71 - 0.1
+linear; k_a = 1.02; r_k = -0.04; LoRAs down 0, up orthogonal x 0.1; GroupNorm weight ((l + 1) / L)^0.7; r, v
+orthogonal, k orthogonal x 0.1, o_proj 0.
 Those are raw parameters (not nn.Linear), so the model's `model.init=gpt2` (which re-draws every nn.Linear) keeps them;
 only the four projections r, k, v, o follow `model.init` like every mixer's (their paper init with `model.init=pytorch`).
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,16 @@ from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, ge
                                                 generalized_delta_rule_step)
 
 LOG_DECAY_SCALE = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.): w in (e^{-0.6065}, 1)
+MIN_DECAY = math.exp(-LOG_DECAY_SCALE)  # 0.54524: the fastest per-token decay the parameterisation reaches
+
+
+def decay_bias(decay_range, n_heads: int, dk: int) -> torch.Tensor:
+    """w_0 (n_heads * dk,) such that each head's channels start (the decay LoRA is 0 at init) at per-token decays
+    w = exp(-e^{-1/2} sigmoid(w_0)) from `high` (channel 0) down to `low`, the forgetting rates -log w spaced
+    geometrically: `decay_init_range` (RWKV7Config)."""
+    low, high = decay_range
+    rate = torch.logspace(math.log10(-math.log(high)), math.log10(-math.log(low)), dk, dtype=torch.float64)
+    return torch.logit(rate / LOG_DECAY_SCALE).repeat(n_heads)
 
 
 @dataclass
@@ -67,6 +79,10 @@ class RWKV7Config:
     conv_size: int = 0
     conv_bias: bool = False
     norm_eps: float = 1e-5  # the per-head GroupNorm's eps is head_dim * norm_eps (fla's)
+    # null: the paper's decay init by layer (w_0 above); [low, high]: each head's d_k channels start at per-token
+    # decays from high (channel 0) down to low, forgetting rates -log w spaced geometrically (experiment=mqar sets
+    # [0.99, 0.9999]: the paper's spread forgets most pairs of a recall example within a few tokens at small widths)
+    decay_init_range: Optional[List[float]] = None
 
     def ranks(self, model) -> tuple[int, int, int]:
         """(decay, learning-rate, gate) LoRA ranks, fla's defaults where null."""
@@ -83,6 +99,10 @@ class RWKV7Config:
                                   field=f"{field}.{key}")
         if self.norm_eps <= 0:
             raise ConfigError(f"must be > 0, got {self.norm_eps}", field=f"{field}.norm_eps")
+        span = self.decay_init_range
+        if span is not None and not (len(span) == 2 and MIN_DECAY < span[0] <= span[1] < 1):
+            raise ConfigError(f"must be null or [low, high] per-token decays with {MIN_DECAY:.5f} < low <= high < 1, "
+                              f"got {list(span)}", field=f"{field}.decay_init_range")
         validate_conv(self, field)
 
 
@@ -171,6 +191,7 @@ class RWKV7(RecurrentMixer):
         self.r_k = nn.Parameter(torch.zeros(H, dk))
         self.r_k._no_weight_decay = True  # a per-channel coefficient (2-D only by its head layout)
         self.g_norm = nn.GroupNorm(H, H * dv, eps=dk * cfg.norm_eps)  # per head: one group of d_v channels each
+        self.decay_init_range = cfg.decay_init_range
         self.init_rwkv7(model_cfg.n_layers)
 
     @torch.no_grad()
@@ -193,6 +214,8 @@ class RWKV7(RecurrentMixer):
         self.k_a.fill_(1.02)
         self.r_k.fill_(-0.04)
         self.w_lora.bias.copy_(www + 0.5 + zigzag * 2.5)  # 0.5: fla's offset (from the official code's softplus)
+        if self.decay_init_range is not None:  # the recipe's slower start (RWKV7Config.decay_init_range)
+            self.w_lora.bias.copy_(decay_bias(self.decay_init_range, H, dk))
         self.a_lora.bias.copy_(-0.19 + zigzag * 0.3 + linear * 0.4)
         self.g_norm.weight.fill_(((layer + 1) / n_layers) ** 0.7)
         self.g_norm.bias.zero_()
