@@ -10,7 +10,8 @@ gradient is named. A case passes when the fast kernel really ran (a spy on it: a
 fails) and each error is within its tolerance, max(bound of the dtype, 2 x the baseline's error), printed
 beside it. Exit status 1 when any case fails (the JSON and markdown are written first).
 
-  fla   linear_attention, deltanet, gated_deltanet (+ grouped value heads) as mixers; the three ops with states
+  fla   linear_attention, deltanet, gated_deltanet (+ grouped value heads), gla, retnet, hgrn2, mamba2, rwkv7 as
+        mixers; the three delta-rule / linear ops with states
   flex  sliding_window as a mixer (bf16, fp32); the sink and causal block masks as ops
   sdpa  gqa in bf16 under SDPA's flash backend only (sdpa_kernel raises if flash cannot take the call)
 MoBA / NSA have no fast path (ops/dispatch.py): nothing to check.
@@ -168,10 +169,13 @@ def fast_path_spy(kernel: str, flash: bool):
     if kernel == "fla":
         from attnzoo.ops import fla_kernels
 
-        with spy(fla_kernels, "fla_chunk_delta_rule") as a, spy(fla_kernels, "fla_chunk_linear_attention") as b:
+        names = ("fla_chunk_delta_rule", "fla_chunk_linear_attention", "fla_chunk_gated_linear_attention",
+                 "fla_chunk_generalized_delta_rule")
+        with contextlib.ExitStack() as stack:
+            counts = [stack.enter_context(spy(fla_kernels, n)) for n in names]
             calls = [0]
             yield calls
-            calls[0] = a[0] + b[0]
+            calls[0] = sum(c[0] for c in counts)
             return
     if kernel == "flex":
         from attnzoo.ops import flex
@@ -303,6 +307,8 @@ CASES = [
     Case("fla/gated_deltanet", "fla", "bf16", mixer_case({"name": "gated_deltanet"}, "fla", "bf16")),
     Case("fla/gated_deltanet-gva", "fla", "bf16",
          mixer_case({"name": "gated_deltanet", "n_heads": 2, "n_v_heads": 4}, "fla", "bf16")),
+    *(Case(f"fla/{m}", "fla", "bf16", mixer_case({"name": m}, "fla", "bf16"))
+      for m in ("gla", "retnet", "hgrn2", "mamba2", "rwkv7")),
     Case("fla/op-delta_rule-states", "fla", "bf16", op_case("fla_delta", "bf16")),
     Case("fla/op-gated_delta_rule-states", "fla", "bf16", op_case("fla_gated_delta", "bf16")),
     Case("fla/op-linear_attention-states", "fla", "bf16", op_case("fla_linear", "bf16")),

@@ -57,8 +57,9 @@ class GLAConfig:
 class GatedLinearMixer(RecurrentMixer):
     """Gated linear attention on a log-decay per step (`log_decay`, subclass): the shared build, `mix` and forms."""
 
-    # torch forms on every device: fla's chunk_gla / chunk_retention kernels are not wired here (ops/fla_kernels.py)
-    kernel_family = "other"
+    # fla's chunk_gla (a decay per key channel) / chunk_simple_gla (one per head) on CUDA in fp16 / bf16 where
+    # model.impl allows (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else
+    kernel_family = "linear"
 
     # q's scale in the op: None = d_k^-1/2 (GLA, RetNet, HGRN2 as fla runs them); Mamba-2's SSD reads unscaled (1.0)
     scale: Optional[float] = None
@@ -112,6 +113,11 @@ class GatedLinearMixer(RecurrentMixer):
 
     def chunk_op(self, q, k, v, g, *, state, resets=None):
         return chunk_gated_linear_attention(q, k, v, g, state, self.scale, self.chunk_size, resets)
+
+    def fla_op(self, q, k, v, g, *, state, dtype):
+        from attnzoo.ops.fla_kernels import fla_chunk_gated_linear_attention  # fla / triton: imported on CUDA only
+
+        return fla_chunk_gated_linear_attention(q, k, v, g, state, self.scale, dtype)
 
     def op_flops_per_token(self, context_len: int) -> float:
         """Chunkwise form per head, chunk C = min(chunk_size, L), per token: 2 C (Dk + Dv) + 4 Dk Dv (the causal

@@ -157,8 +157,10 @@ class TokenShiftStateCache(RecurrentStateCache):
 class RWKV7(RecurrentMixer):
     hf_missing = ("RWKV-7 has no transformers causal-LM counterpart (transformers' Rwkv is RWKV-4; fla's "
                   "RWKV7Attention is its reference)")
-    # torch forms on every device: fla's chunk_rwkv7 kernel is not wired here (ops/fla_kernels.py)
-    kernel_family = "other"
+    # fla's chunk_dplr_delta_rule (chunk_rwkv7's op) on CUDA in fp16 / bf16 where model.impl allows
+    # (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else. The token shift, LoRAs and readout
+    # stay torch (fla's fused addcmul / output-correction kernels are not wired)
+    kernel_family = "linear"
     # r, k, v come from six differently token-shifted inputs, with decay and learning-rate LoRAs: no attention layer's
     # q/k/v/o to seed them
     linearize_target = False
@@ -307,6 +309,11 @@ class RWKV7(RecurrentMixer):
 
     def chunk_op(self, q, k, v, a, b, g, *, state, resets=None):
         return chunk_generalized_delta_rule(q, k, v, a, b, g, state, 1.0, self.chunk_size, resets)
+
+    def fla_op(self, q, k, v, a, b, g, *, state, dtype):
+        from attnzoo.ops.fla_kernels import fla_chunk_generalized_delta_rule  # fla / triton: imported on CUDA only
+
+        return fla_chunk_generalized_delta_rule(q, k, v, a, b, g, state, 1.0, dtype)
 
     # ------------------------------------------------------------------ cache and accounting
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> TokenShiftStateCache:

@@ -66,6 +66,8 @@ def _probe_fla() -> bool:
         import fla.ops.delta_rule  # noqa: F401
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.simple_gla  # noqa: F401
+        import fla.ops.gla  # noqa: F401
+        import fla.ops.generalized_delta_rule  # noqa: F401
     except Exception:  # an fla / triton / driver mismatch: fall back to torch rather than fail the run
         return False
     return True

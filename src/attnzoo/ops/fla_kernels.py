@@ -16,6 +16,11 @@ dtype, final state in fp32). What is converted, and what already matches:
 - linear attention: phi and the normaliser's ones column are applied by the mixer, so plain linear attention
   (fla's `chunk_simple_gla` with no gate: S_t = S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t) is exactly the op;
   the denominator is the last output column, as in the torch form;
+- gated linear attention (gla, retnet, hgrn2, mamba2: ops/gated_linear_attention.py): a log-decay per key channel
+  (B, H, T, Dk) goes to fla's `chunk_gla`, one per head (B, H, T, 1) to `chunk_simple_gla` (its `g`, per head and
+  token); both S_t = diag(e^g_t) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t, as the torch forms;
+- the generalized delta rule (rwkv7: ops/generalized_delta_rule.py): fla's `chunk_dplr_delta_rule` (what its
+  `chunk_rwkv7` calls) with alpha = a, beta = b, gk = g: S_t = diag(e^g_t) S_{t-1} + b_t a_t^T S_{t-1} + k_t v_t^T;
 - chunk size: fla takes 16 / 32 / 64 (64 otherwise); the result does not depend on it beyond rounding.
 fla is imported inside the functions: importing this module imports neither fla nor triton.
 """
@@ -29,8 +34,8 @@ FLA_CHUNK_SIZES = (16, 32, 64)
 
 
 def _seq_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, H, T, ...) -> fla's (B, T, H, ...) in `dtype`."""
-    return x.transpose(1, 2).to(dtype)
+    """(B, H, T, ...) -> fla's (B, T, H, ...) in `dtype` (contiguous: a view when x was (B, T, H, ...) transposed)."""
+    return x.transpose(1, 2).to(dtype).contiguous()
 
 
 def _heads_first(o: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -93,4 +98,56 @@ def fla_chunk_linear_attention(
     h0 = None if initial_state is None else initial_state.float()
     qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
     o, state = chunk_simple_gla(qs, ks, vs, scale=scale, initial_state=h0, output_final_state=True)
+    return _heads_first(o, q), state.float()
+
+
+def fla_chunk_gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.gated_linear_attention.chunk_gated_linear_attention` through fla: g (B, H, T, Dk) log-decays per key
+    channel -> `chunk_gla`; g (B, H, T, 1) one per head -> `chunk_simple_gla`. g and the states stay fp32."""
+    _check_dtype(dtype)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    h0 = None if initial_state is None else initial_state.float()
+    qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
+    if g.shape[-1] == 1:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        gs = g[..., 0].transpose(1, 2).float().contiguous()  # (B, T, H)
+        o, state = chunk_simple_gla(qs, ks, vs, g=gs, scale=scale, initial_state=h0, output_final_state=True)
+    else:
+        from fla.ops.gla import chunk_gla
+
+        o, state = chunk_gla(qs, ks, vs, _seq_first(g, torch.float32), scale=scale, initial_state=h0,
+                             output_final_state=True)
+    return _heads_first(o, q), state.float()
+
+
+def fla_chunk_generalized_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    g: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.generalized_delta_rule.chunk_generalized_delta_rule` through fla's `chunk_dplr_delta_rule` (RWKV-7's
+    kernel): a, b, g (B, H, T, Dk); g (the log-decay) and the states stay fp32."""
+    from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule
+
+    _check_dtype(dtype)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    h0 = None if initial_state is None else initial_state.float()
+    qs, ks, vs, as_, bs = (_seq_first(t, dtype) for t in (q, k, v, a, b))
+    o, state = chunk_dplr_delta_rule(qs, ks, vs, as_, bs, _seq_first(g, torch.float32), scale=scale,
+                                     initial_state=h0, output_final_state=True)
     return _heads_first(o, q), state.float()
