@@ -275,7 +275,17 @@ def test_fla_path_matches_the_torch_path(case, fake_fla):
 
     torch.manual_seed(0)
     cfg = {"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": FLA_MIXERS[case]}
-    mixer = DecoderLM(cfg, vocab_size=16).mixers[0]
+    assert_fla_path_matches_torch(DecoderLM(cfg, vocab_size=16).mixers[0])
+    assert fake_fla, "the fla path was not taken"
+    assert all(call[1][1] == 20 or call[1][1] == 17 or call[1][1] == 37 for call in fake_fla)  # (B, T, H, D) layout
+
+
+def assert_fla_path_matches_torch(mixer) -> None:
+    """`mixer` (fp32 weights, d_model 32) run three times on the same input - its torch path in fp64 and fp32, its
+    fla path (`kernel_request = "fla"`, under a fake_fla fixture) in fp64: the output, the input and parameter
+    gradients, the state a cached 20-token prefill leaves and a 17-token chunk from it. fla's naive references
+    compute in fp32 whatever the input: the fla path (fp64 around an fp32 kernel) against the fp64 torch path,
+    within FP32_FACTOR x the torch path's own fp32-vs-fp64 gap, output by output."""
     x = torch.randn(2, 37, 32, dtype=torch.float64)  # 37: not a multiple of any chunk size
     pos = torch.arange(37)
     runs = {}
@@ -291,10 +301,6 @@ def test_fla_path_matches_the_torch_path(case, fake_fla):
             y2 = m(xi[:, 20:], positions=pos[20:], cache=cache)  # a second chunk from the cached state
         state = list(cache.state) if isinstance(cache.state, (tuple, list)) else [cache.state]
         runs[request, dtype] = [y.detach(), xi.grad, *(p.grad for p in m.parameters()), *state, y2]
-    assert fake_fla, "the fla path was not taken"
-    assert all(call[1][1] == 20 or call[1][1] == 17 or call[1][1] == 37 for call in fake_fla)  # (B, T, H, D) layout
-    # fla's naive references compute in fp32 whatever the input: the fla path (fp64 around an fp32 kernel) against
-    # the fp64 torch path, within FP32_FACTOR x the torch path's own fp32-vs-fp64 gap, output by output
     ref, ref32, got = runs["torch", torch.float64], runs["torch", torch.float32], runs["fla", torch.float64]
     assert len(got) == len(ref) == len(ref32)
     for i, (a, b, b32) in enumerate(zip(got, ref, ref32)):

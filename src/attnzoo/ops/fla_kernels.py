@@ -47,6 +47,14 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"fla's chunk kernels run in fp16 / bf16, got {dtype} (ops/dispatch.py sends fp32 to torch)")
 
 
+def _prepare(k: torch.Tensor, scale: Optional[float], initial_state: Optional[torch.Tensor], dtype: torch.dtype):
+    """The checks and conversions every wrapper makes: the compute dtype (fp16 / bf16), the scale (None: d_k^-1/2)
+    and the initial state in fp32 -> (scale, h0)."""
+    _check_dtype(dtype)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return scale, None if initial_state is None else initial_state.float()
+
+
 def fla_chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,10 +68,7 @@ def fla_chunk_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.delta_rule.chunk_delta_rule` through fla: `chunk_delta_rule` (g None, DeltaNet) or
     `chunk_gated_delta_rule` (Gated DeltaNet), computing in `dtype`."""
-    _check_dtype(dtype)
-    Dk = k.shape[-1]
-    scale = Dk**-0.5 if scale is None else scale
-    h0 = None if initial_state is None else initial_state.float()
+    scale, h0 = _prepare(k, scale, initial_state, dtype)
     cs = chunk_size if chunk_size in FLA_CHUNK_SIZES else 64
     qs, ks, vs, bs = (_seq_first(t, dtype) for t in (q, k, v, beta))
     if g is None:
@@ -92,10 +97,7 @@ def fla_chunk_linear_attention(
     linear attention, q/k already feature-mapped, v already carrying the normaliser's ones column)."""
     from fla.ops.simple_gla import chunk_simple_gla
 
-    _check_dtype(dtype)
-    Dk = k.shape[-1]
-    scale = Dk**-0.5 if scale is None else scale
-    h0 = None if initial_state is None else initial_state.float()
+    scale, h0 = _prepare(k, scale, initial_state, dtype)
     qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
     o, state = chunk_simple_gla(qs, ks, vs, scale=scale, initial_state=h0, output_final_state=True)
     return _heads_first(o, q), state.float()
@@ -112,9 +114,7 @@ def fla_chunk_gated_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.gated_linear_attention.chunk_gated_linear_attention` through fla: g (B, H, T, Dk) log-decays per key
     channel -> `chunk_gla`; g (B, H, T, 1) one per head -> `chunk_simple_gla`. g and the states stay fp32."""
-    _check_dtype(dtype)
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    h0 = None if initial_state is None else initial_state.float()
+    scale, h0 = _prepare(k, scale, initial_state, dtype)
     qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
     if g.shape[-1] == 1:
         from fla.ops.simple_gla import chunk_simple_gla
@@ -144,9 +144,7 @@ def fla_chunk_generalized_delta_rule(
     kernel): a, b, g (B, H, T, Dk); g (the log-decay) and the states stay fp32."""
     from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule
 
-    _check_dtype(dtype)
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    h0 = None if initial_state is None else initial_state.float()
+    scale, h0 = _prepare(k, scale, initial_state, dtype)
     qs, ks, vs, as_, bs = (_seq_first(t, dtype) for t in (q, k, v, a, b))
     o, state = chunk_dplr_delta_rule(qs, ks, vs, as_, bs, _seq_first(g, torch.float32), scale=scale,
                                      initial_state=h0, output_final_state=True)
