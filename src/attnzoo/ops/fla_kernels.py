@@ -119,7 +119,7 @@ def fla_chunk_gated_linear_attention(
     if g.shape[-1] == 1:
         from fla.ops.simple_gla import chunk_simple_gla
 
-        gs = g[..., 0].transpose(1, 2).float().contiguous()  # (B, T, H)
+        gs = _seq_first(g[..., 0], torch.float32)  # (B, T, H)
         o, state = chunk_simple_gla(qs, ks, vs, g=gs, scale=scale, initial_state=h0, output_final_state=True)
     else:
         from fla.ops.gla import chunk_gla
