@@ -21,3 +21,10 @@ TORCH_PIN="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.s
 if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1 && ! .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall -q -y torchvision
 fi
+# triton for the interpreter tests only (tests/test_fla_interpreter.py: fla's Triton kernels run on this CPU by
+# Triton's interpreter), in a folder of its own that only those tests' processes put on their path: importable
+# beside fla-core it breaks transformers on a CPU (DESIGN 6.7). About 1 GB installed (a 286 MB wheel).
+TRITON_SITE=${ATTNZOO_TRITON_SITE:-.venv/triton-site}
+if [ ! -d "$TRITON_SITE/triton" ]; then
+  .venv/bin/python -m pip install -q --no-deps --target "$TRITON_SITE" "${ATTNZOO_INTERP_TRITON:-triton==3.9.0}"
+fi

@@ -249,7 +249,7 @@ def fake_fla(monkeypatch):
                            ("fla.ops.delta_rule", "chunk_delta_rule", delta),
                            ("fla.ops.simple_gla", "chunk_simple_gla", simple_gla)):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**{attr: fn}))
-    monkeypatch.setattr(fla_kernels, "_check_dtype", lambda dtype: None)
+    monkeypatch.setattr(fla_kernels, "_check_dtype", lambda *a: None)
     # the recurrent mixers' one mode ladder (RecurrentMixer.recur) asks dispatch there
     monkeypatch.setattr("attnzoo.mixers.recurrent_base.mixer_kernel",
                         lambda mixer, x: "fla" if mixer.kernel_request == "fla" else "torch")

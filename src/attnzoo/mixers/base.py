@@ -67,6 +67,7 @@ class Mixer(nn.Module):
     # ops/dispatch.py: the kernel family a call is dispatched by (one of dispatch.FAMILY_NAMES); a layer whose
     # settings the fast kernel does not cover narrows it to "other" (`dispatch_family`)
     kernel_family: str = "other"
+    fla_kernel: Optional[str] = None  # the fla function its fast path calls (ops/dispatch.py FLA_KERNELS), if any
     # inference KV formats (mixers/kv_quant.py): the cache is a plain `KVCache` read through `update` only, so
     # bf16 / KIVI int8 / int4 storage applies (`new_cache` / `cache_bytes` take `kv_format=`)
     kv_quantizable: bool = False

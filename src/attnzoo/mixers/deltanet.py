@@ -70,6 +70,7 @@ class GatedDeltaNetConfig(DeltaNetConfig):
 
 class DeltaNet(RecurrentMixer):
     gated = False
+    fla_kernel = "chunk_delta_rule"
     hf_missing = ("ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
                   "gated_deltanet)")
 
@@ -148,6 +149,7 @@ class DeltaNet(RecurrentMixer):
 
 class GatedDeltaNet(DeltaNet):
     gated = True
+    fla_kernel = "chunk_gated_delta_rule"
     hf_layer = HF_LINEAR_ATTENTION  # Qwen3-Next's linear layers
 
     @classmethod

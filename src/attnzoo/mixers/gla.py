@@ -60,6 +60,7 @@ class GatedLinearMixer(RecurrentMixer):
     # fla's chunk_gla (a decay per key channel) / chunk_simple_gla (one per head) on CUDA in fp16 / bf16 where
     # model.impl allows (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else
     kernel_family = "linear"
+    fla_kernel = "chunk_gla"  # a log-decay per key channel; RetNet / Mamba2 (one per head) take chunk_simple_gla
 
     # q's scale in the op: None = d_k^-1/2 (GLA, RetNet, HGRN2 as fla runs them); Mamba-2's SSD reads unscaled (1.0)
     scale: Optional[float] = None

@@ -74,6 +74,7 @@ class LinearAttentionConfig:
 @register_mixer("linear_attention", LinearAttentionConfig)
 class LinearAttention(RecurrentMixer):
     hf_missing = "linear attention (no softmax) has no transformers causal-LM counterpart"
+    fla_kernel = "chunk_simple_gla"  # with no gate
 
     @classmethod
     def mup_qk_grows(cls, cfg) -> bool:  # the normaliser or the output norm divides the scale out

@@ -103,6 +103,7 @@ class Mamba2(GatedLinearMixer):
                   "Mamba2Mixer is checked against it in tests/test_hgrn2_mamba2.py)")
     # q / k are B / C shared over groups of heads and v is dt x: no attention layer's q/k/v to seed them
     linearize_target = False
+    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head (dt A)
     scale = 1.0  # SSD reads the state unscaled: y_t = h_t^T C_t
 
     def layout(self, cfg: Mamba2Config, model_cfg) -> dict:

@@ -55,6 +55,7 @@ def retention_log_decays(n_heads: int) -> list[float]:
 @register_mixer("retnet", RetNetConfig)
 class RetNet(GatedLinearMixer):
     hf_missing = "RetNet's retention has no transformers causal-LM counterpart (fla's layer is its reference)"
+    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head
 
     def __init__(self, cfg: RetNetConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

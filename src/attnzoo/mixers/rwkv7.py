@@ -161,6 +161,7 @@ class RWKV7(RecurrentMixer):
     # (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else. The token shift, LoRAs and readout
     # stay torch (fla's fused addcmul / output-correction kernels are not wired)
     kernel_family = "linear"
+    fla_kernel = "chunk_dplr_delta_rule"
     # r, k, v come from six differently token-shifted inputs, with decay and learning-rate LoRAs: no attention layer's
     # q/k/v/o to seed them
     linearize_target = False

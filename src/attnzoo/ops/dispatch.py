@@ -9,8 +9,9 @@ so a model built on the CPU and moved to a GPU (or back) picks its kernels anew 
     softmax         mha gqa mqa                         torch   torch (SDPA: flash in fp16/bf16) torch / torch
     window          sliding_window (no sinks, dropout)  torch   flex if available, else torch    torch / flex
     block_sparse    moba nsa                            torch   torch                            torch / torch
-    linear          linear_attention deltanet           torch   fla in fp16/bf16 if available,   fla (fp32: torch)
-                    gated_deltanet (key size <= 256)            else torch                       / torch
+    linear          linear_attention deltanet           torch   fla in fp16/bf16 if available    fla (see below)
+                    gated_deltanet gla retnet hgrn2             and not gated off (below),       / torch
+                    mamba2 rwkv7 (key size <= 256)              else torch
     latent          mla                                 torch   torch                            torch / torch
     other           everything else (sinks, wide keys)  torch   torch                            torch / torch
 
@@ -20,22 +21,31 @@ so a model built on the CPU and moved to a GPU (or back) picks its kernels anew 
   work (`check_request` at the start of a run, `choose_kernel` at a call). An explicit request that does not
   apply to a layer (`fla` for gqa, `flex` for deltanet) runs that layer on torch, so one request serves a
   hybrid; summary.json's `model.kernels` says what each layer ran.
-- fla runs in fp16/bf16 only: its chunk delta rule refuses fp32 and fla tests its chunk kernels in
-  fp16/bf16, so fp32 (and fp64) calls run the torch chunk form.
+- `auto` sends fla fp16/bf16 calls only (fla tests its chunk kernels in 16-bit; fp32 runs the torch chunk form).
+  An explicit `fla` also runs fp32 through fla where the kernel takes it (every one but the plain delta rule,
+  whose `chunk_delta_rule` asserts against fp32: DeltaNet's fp32 calls run torch); fp64 always runs torch.
+- Each layer names the fla function it calls (`Mixer.fla_kernel`; FLA_KERNELS). fla refuses some of them at
+  run time on some devices (`fla_gates`: today its gated `chunk_bwd_dqkwg` on Hopper with Triton in
+  [3.4.0, 3.7.1), fla #640). There `auto` runs the layer on torch and the run says so in one line at its start
+  (`gate_notices`); an explicit `fla` is refused in one line before any work.
+- The Triton interpreter (`TRITON_INTERPRET=1`, ops/triton_interpreter.py) makes a CPU a device fla runs on:
+  an explicit `fla` then runs there in fp32 / fp16 (bf16 is refused: numpy has none); `auto` stays torch.
 - MoBA / NSA stay on torch: their per-query top-k blocks are data dependent (recomputed every call from
   q . mean(K)), not a static block mask; fla's kernels for them need flash-attn (and NSA a GQA group >= 16).
-- The probes never import triton on a machine without CUDA (`torch.cuda.is_available()` first; DESIGN 6.7).
+- The probes never import triton on a machine without CUDA unless the interpreter is on
+  (`torch.cuda.is_available()` first; DESIGN 6.7).
 - Decode steps (one token with a cache) and the reference forms (`mixer.impl = "reference"`) always run torch.
 """
 from __future__ import annotations
 
 from importlib.util import find_spec
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from attnzoo.config.schema import IMPLS
 from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.ops.triton_interpreter import accommodate, interpreting
 
 BACKENDS = ("torch", "fla", "flex")
 
@@ -46,6 +56,18 @@ FAMILY_NAMES = ("softmax", "window", "block_sparse", "linear", "latent", "other"
 FLA_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLA_MAX_KEY_DIM = 256  # fla's chunk kernels: "current kernel does not support head dimension larger than 256"
+_16BIT_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+# The fla functions the layers call (a mixer class's `fla_kernel`): the compute dtypes each takes, and whether its
+# backward runs fla's gated `chunk_bwd_dqkwg` (what fla's Hopper gate refuses; `fla_gates`).
+FLA_KERNELS = {
+    "chunk_delta_rule": (FLA_DTYPES, False),  # deltanet; asserts "does not support float32"
+    "chunk_gated_delta_rule": (_16BIT_FP32, True),  # gated_deltanet
+    "chunk_simple_gla": (_16BIT_FP32, False),  # linear_attention: no gate, so the ungated backward
+    "chunk_simple_gla(g)": (_16BIT_FP32, True),  # retnet, mamba2: one log-decay per head
+    "chunk_gla": (_16BIT_FP32, False),  # gla, hgrn2: a log-decay per key channel (fla's own chunk_gla backward)
+    "chunk_dplr_delta_rule": (_16BIT_FP32, False),  # rwkv7
+}
 
 
 _PROBED: dict[str, bool] = {}  # probe results, once per process (what is installed does not change)
@@ -58,11 +80,13 @@ def _once(name: str, probe) -> bool:
 
 
 def _probe_fla() -> bool:
-    if not torch.cuda.is_available():  # first: a CPU machine never imports triton
+    if not (torch.cuda.is_available() or interpreting()):  # first: a CPU machine never imports triton
         return False
     if find_spec("triton") is None or find_spec("fla") is None:
         return False
     try:
+        if not torch.cuda.is_available():
+            accommodate()  # the interpreter: before fla's kernel modules bind what it lacks
         import fla.ops.delta_rule  # noqa: F401
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.simple_gla  # noqa: F401
@@ -99,36 +123,55 @@ def flex_available() -> bool:
     return _once("flex", _probe_flex)
 
 
-def allowed_here(device_type: str, *, fla_ok: bool, flex_ok: bool) -> list[str]:
+def fla_devices() -> tuple[str, ...]:
+    """The device types fla's kernels run on in this process: CUDA, and the CPU under Triton's interpreter."""
+    return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+
+def allowed_here(device_type: str, *, fla_ok: bool, flex_ok: bool, fla_devices: tuple = ("cuda",)) -> list[str]:
     """The model.impl values that can run on `device_type` given what is installed."""
     out = ["auto", "torch"]
-    if device_type == "cuda":
-        out += (["fla"] if fla_ok else []) + (["flex"] if flex_ok else [])
+    if device_type in fla_devices and fla_ok:
+        out.append("fla")
+    if device_type == "cuda" and flex_ok:
+        out.append("flex")
     return out
 
 
-def _refuse(requested: str, device_type: str, fla_ok: bool, flex_ok: bool) -> ConfigError:
-    need = ("a CUDA device with fla-core and triton (pip install -e '.[gpu]')" if requested == "fla"
-            else "a CUDA device with triton (flex_attention compiles Triton kernels; no CPU backward)")
+def _refuse(requested: str, device_type: str, fla_ok: bool, flex_ok: bool, fla_devices: tuple) -> ConfigError:
+    need = ("a CUDA device (or TRITON_INTERPRET=1 on a CPU) with fla-core and triton (pip install -e '.[gpu]')"
+            if requested == "fla" else "a CUDA device with triton (flex_attention compiles Triton kernels; no CPU backward)")
     where = "this machine" if device_type == "cuda" else f"{device_type} (no CUDA here)"
-    return ConfigError(f"{requested} needs {need}, not {where}; allowed here: "
-                       f"{', '.join(allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok))}", field="model.impl")
+    allowed = allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok, fla_devices=fla_devices)
+    return ConfigError(f"{requested} needs {need}, not {where}; allowed here: {', '.join(allowed)}", field="model.impl")
 
 
-def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dtype, *,
-                  fla_ok: bool, flex_ok: bool) -> str:
+def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dtype, *, fla_ok: bool, flex_ok: bool,
+                  fla_devices: tuple = ("cuda",), fla_dtypes: tuple = FLA_DTYPES, fla_gate: Optional[str] = None) -> str:
     """The backend ("torch" | "fla" | "flex") of one call: the table in this module's docstring.
-    Pure: availability is passed in (fla_ok / flex_ok: the library can run on this machine's CUDA device)."""
+    Pure: availability is passed in (fla_ok / flex_ok: the library is installed and can run on this machine's
+    devices; fla_devices: where fla runs (`fla_devices()`); fla_dtypes: the compute dtypes the layer's fla
+    kernel takes (FLA_KERNELS); fla_gate: why fla refuses that kernel on this device, or None)."""
     check_choice(requested, "model.impl", IMPLS)
     check_choice(family, "family", FAMILY_NAMES)
     if requested == "torch":
         return "torch"
-    if (requested == "fla" and not (device_type == "cuda" and fla_ok)) or \
+    if (requested == "fla" and not (device_type in fla_devices and fla_ok)) or \
             (requested == "flex" and not (device_type == "cuda" and flex_ok)):
-        raise _refuse(requested, device_type, fla_ok, flex_ok)
+        raise _refuse(requested, device_type, fla_ok, flex_ok, fla_devices)
+    if family == "linear" and requested == "fla":
+        allowed = ", ".join(allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok, fla_devices=fla_devices))
+        if fla_gate:
+            raise ConfigError(f"fla cannot run this layer here: {fla_gate}; allowed here: "
+                              f"{allowed.replace(', fla', '')}", field="model.impl")
+        if device_type != "cuda" and dtype == torch.bfloat16:
+            raise ConfigError("fla under the Triton interpreter computes in numpy, which has no bf16; allowed: "
+                              "fp32 or fp16 (trainer.precision=32-true), or model.impl=torch", field="model.impl")
+        return "fla" if dtype in fla_dtypes else "torch"
     if device_type != "cuda":
         return "torch"
-    if family == "linear" and requested in ("auto", "fla") and fla_ok and dtype in FLA_DTYPES:
+    if family == "linear" and requested == "auto" and fla_ok and dtype in FLA_DTYPES and dtype in fla_dtypes \
+            and not fla_gate:
         return "fla"
     if family == "window" and requested in ("auto", "flex") and flex_ok and dtype in FLEX_DTYPES:
         return "flex"
@@ -151,13 +194,93 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _version(v: str) -> tuple[int, ...]:
+    """'3.6.0+git1234' -> (3, 6, 0): the leading numeric fields."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+HOPPER_GATE = ("{fla} refuses its gated chunk_bwd_dqkwg backward on Hopper (sm_90) with Triton {triton} (wrong "
+               "results with Triton >= 3.4.0 and < 3.7.1: fla issue #640); fix: Triton >= 3.7.1 (a torch build that "
+               "ships it), or model.impl=torch")
+
+
+def fla_gates(capability: Optional[tuple[int, int]], triton_version: Optional[str], fla_version: str = "",
+              hopper_gate: bool = True) -> dict[str, str]:
+    """{fla kernel (FLA_KERNELS): why fla refuses it} on a CUDA device of compute `capability` with this Triton.
+    Pure (the probe passes the machine's facts in). fla 0.6.0's one such gate (fla/ops/common/chunk_o.py,
+    `chunk_bwd_dqkwg`): g given, IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 -> RuntimeError in
+    the first backward; `hopper_gate`: the installed fla has that check. (tilelang, which fla's message also
+    names, does not lift it in 0.6.0: the raise comes first.)"""
+    if capability is None or triton_version is None or not hopper_gate or capability[0] != 9:
+        return {}
+    if not ((3, 4, 0) <= _version(triton_version) < (3, 7, 1)):
+        return {}
+    why = HOPPER_GATE.format(fla=f"fla {fla_version}".strip(), triton=triton_version)
+    return {name: why for name, (_, gated) in FLA_KERNELS.items() if gated}
+
+
+def _probe_gates() -> dict[str, str]:
+    """fla_gates for this process's CUDA device (nothing off CUDA; no import of triton or fla: versions from
+    their metadata, the gate's presence from fla's source file)."""
+    if not torch.cuda.is_available() or find_spec("fla") is None:
+        return {}
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton_version, fla_version = version("triton"), version("fla-core")
+    except PackageNotFoundError:
+        return {}
+    spec = find_spec("fla")
+    src = next(iter(spec.submodule_search_locations or []), None)
+    try:
+        gate = "TRITON_ABOVE_3_7_1" in open(f"{src}/ops/common/chunk_o.py").read()
+    except OSError:
+        gate = True  # cannot tell: assume the released gate
+    return fla_gates(torch.cuda.get_device_capability(), triton_version, fla_version, gate)
+
+
+_GATES: dict[str, dict[str, str]] = {}
+
+
+def fla_gate(kernel: Optional[str], device_type: str) -> Optional[str]:
+    """Why fla refuses `kernel` on this process's `device_type` device, or None (probed once per process)."""
+    if kernel is None or device_type != "cuda":
+        return None
+    if "cuda" not in _GATES:
+        _GATES["cuda"] = _probe_gates()
+    return _GATES["cuda"].get(kernel)
+
+
 def layer_kernel(mixer: Any, device_type: str, dtype: torch.dtype) -> str:
     """The backend `mixer`'s training / prefill call takes on `device_type` computing in `dtype`."""
     requested = getattr(mixer, "kernel_request", "auto")
     if device_type != "cuda" and requested in ("auto", "torch"):
         return "torch"  # every CPU call: no probe, no import
+    kernel = getattr(mixer, "fla_kernel", None)
     return choose_kernel(requested, family_of(mixer), device_type, dtype, fla_ok=fla_available(),
-                         flex_ok=flex_available())
+                         flex_ok=flex_available(), fla_devices=fla_devices(),
+                         fla_dtypes=FLA_KERNELS.get(kernel, (FLA_DTYPES, False))[0],
+                         fla_gate=fla_gate(kernel, device_type))
+
+
+def gate_notices(model: Any, device_type: str, dtype: torch.dtype) -> list[str]:
+    """One line per reason `auto` runs a linear layer on torch although fla is installed and would take it (a
+    runtime gate of fla's on this device): what, why, the fix. Printed at the start of a run."""
+    by_reason: dict[str, list[str]] = {}
+    if device_type != "cuda" or dtype not in FLA_DTYPES or not fla_available():
+        return []
+    for i, m in enumerate(getattr(model, "mixers", [])):
+        why = fla_gate(getattr(m, "fla_kernel", None), device_type)
+        if why and getattr(m, "kernel_request", "auto") == "auto" and family_of(m) == "linear":
+            by_reason.setdefault(why, []).append(f"{i}:{getattr(m, 'name', type(m).__name__)}")
+    return [f"attnzoo: layers {', '.join(layers)} run the torch chunk form, not fla: {why}"
+            for why, layers in by_reason.items()]
 
 
 def mixer_kernel(mixer: Any, x: torch.Tensor) -> str:
@@ -185,9 +308,17 @@ def precision_compute_dtype(precision: str) -> torch.dtype:
     return torch.float32
 
 
-def check_request(requested: str, device_type: str) -> None:
-    """At the start of a run: an explicit fla / flex that cannot run on the run's device is refused in one
-    line before anything is built (the calls would refuse it too, after the data is prepared)."""
+def check_request(requested: str, device_type: str, dtype: torch.dtype = torch.float32,
+                  fla_kernels: tuple = ()) -> None:
+    """At the start of a run: an explicit fla / flex that cannot run on the run's device (computing in `dtype`),
+    or an explicit fla for a layer whose fla kernel (`fla_kernels`: the layers' `fla_kernel`) fla refuses on this
+    device, is refused in one line before anything is built (the calls would refuse it too, after the data is
+    prepared)."""
     check_choice(requested, "model.impl", IMPLS)
     if requested in ("fla", "flex"):
-        choose_kernel(requested, "other", device_type, torch.float32, fla_ok=fla_available(), flex_ok=flex_available())
+        ok = dict(fla_ok=fla_available(), flex_ok=flex_available(), fla_devices=fla_devices())
+        choose_kernel(requested, "other", device_type, torch.float32, **ok)
+        if requested == "fla":
+            for kernel in dict.fromkeys(k for k in fla_kernels if k):
+                choose_kernel("fla", "linear", device_type, dtype, **ok, fla_gate=fla_gate(kernel, device_type),
+                              fla_dtypes=FLA_KERNELS.get(kernel, (FLA_DTYPES, False))[0])

@@ -6,9 +6,16 @@ q, k (B, H, T, Dk), v (B, H, T, Dv), beta / g (B, H, T), state (B, H, Dk, Dv); r
 dtype, final state in fp32). What is converted, and what already matches:
 - layout: fla takes sequence-first [B, T, H, D]; the mixers' tensors were (B, T, H, D) before their
   transpose, so the transpose back is a contiguous view and the dtype cast is the one copy;
-- dtype: q / k / v / beta are cast to `dtype` (the call's compute dtype: fp16 / bf16; fla refuses fp32 in
-  its chunk delta rule), the log-decay g, the initial state and the returned state stay fp32 (as fla's
-  own tests pass them); o returns in q's dtype so the mixer's fp32 output norm reads what it always did;
+- dtype: q / k / v / beta are cast to `dtype` (the call's compute dtype: fp16 / bf16, or fp32 where the
+  kernel takes it: all but `chunk_delta_rule`, which asserts against fp32; ops/dispatch.py FLA_KERNELS), the
+  log-decay g, the initial state and the returned state stay fp32 (as fla's own tests pass them); o returns
+  in q's dtype so the mixer's fp32 output norm reads what it always did;
+- what fla asserts before a launch, checked here in one place (`_prepare`): an odd key or value width in
+  fp16 / bf16 (fla's `chunk_bwd_dv`: "requires even K and V"; linear attention's normaliser makes V = Dv + 1)
+  is padded with a zero column (zero keys and values add nothing to the state or the output; the padding is
+  cut off the output and the final state, and gradients flow through the pad), and a key width above
+  FLA_MAX_KEY_DIM, which padding cannot fix, is refused naming the mixer setting (ops/dispatch.py keeps such
+  layers on torch, so only a direct call reaches it);
 - semantics: the mixers L2-normalise q/k (eps inside the sqrt, as fla's l2norm) and apply sigmoid to beta
   (times 2 with allow_neg_eigval) before the op, so fla's in-kernel options stay off; scale d_k^-1/2;
   Gated DeltaNet's g is the log-decay itself (fla's `use_gate_in_kernel=False`), decay before the delta read
@@ -29,30 +36,55 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+
+from attnzoo.ops.dispatch import FLA_KERNELS, FLA_MAX_KEY_DIM
 
 FLA_CHUNK_SIZES = (16, 32, 64)
+_16BIT = (torch.float16, torch.bfloat16)
 
 
-def _seq_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, H, T, ...) -> fla's (B, T, H, ...) in `dtype` (contiguous: a view when x was (B, T, H, ...) transposed)."""
-    return x.transpose(1, 2).to(dtype).contiguous()
+def _seq_first(x: torch.Tensor, dtype: torch.dtype, pad: int = 0) -> torch.Tensor:
+    """(B, H, T, ...) -> fla's (B, T, H, ...) in `dtype` (contiguous: a view when x was (B, T, H, ...) transposed),
+    the last dim padded with `pad` zero columns."""
+    x = x.transpose(1, 2).to(dtype)
+    return (F.pad(x, (0, pad)) if pad else x).contiguous()
 
 
-def _heads_first(o: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return o.transpose(1, 2).to(like.dtype)
+def _heads_first(o: torch.Tensor, like: torch.Tensor, width: int) -> torch.Tensor:
+    return o[..., :width].transpose(1, 2).to(like.dtype)
 
 
-def _check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"fla's chunk kernels run in fp16 / bf16, got {dtype} (ops/dispatch.py sends fp32 to torch)")
+def _check_dtype(kernel: str, dtype: torch.dtype) -> None:
+    allowed = FLA_KERNELS[kernel][0]
+    if dtype not in allowed:
+        names = " / ".join({torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[d] for d in allowed)
+        raise ValueError(f"fla's {kernel} runs in {names}, got {dtype} (ops/dispatch.py sends such calls to torch)")
 
 
-def _prepare(k: torch.Tensor, scale: Optional[float], initial_state: Optional[torch.Tensor], dtype: torch.dtype):
-    """The checks and conversions every wrapper makes: the compute dtype (fp16 / bf16), the scale (None: d_k^-1/2)
-    and the initial state in fp32 -> (scale, h0)."""
-    _check_dtype(dtype)
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    return scale, None if initial_state is None else initial_state.float()
+class FlaCall:
+    """One call's checks and conversions (what every wrapper makes): the compute dtype the kernel takes, the
+    scale (None: d_k^-1/2), the zero padding of an odd key / value width in 16-bit, the initial state in fp32
+    (padded alike). `seq_first(x, 'k' | 'v' | None)` converts an input; `result(o, state, like)` cuts the padding
+    off and returns (o heads-first in like's dtype, final state fp32)."""
+
+    def __init__(self, kernel: str, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                 initial_state: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        _check_dtype(kernel, dtype)
+        self.K, self.V, self.dtype = k.shape[-1], v.shape[-1], dtype
+        if self.K > FLA_MAX_KEY_DIM:
+            raise ValueError(f"fla's {kernel} takes key widths up to {FLA_MAX_KEY_DIM}, got {self.K}: lower the "
+                             f"mixer's head_dim / feature_dim / d_state, or model.impl=torch")
+        self.pad = {"k": self.K % 2, "v": self.V % 2} if dtype in _16BIT else {"k": 0, "v": 0}
+        self.scale = self.K ** -0.5 if scale is None else scale
+        self.h0 = None if initial_state is None else \
+            F.pad(initial_state.float(), (0, self.pad["v"], 0, self.pad["k"]))
+
+    def seq_first(self, x: torch.Tensor, width: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+        return _seq_first(x, dtype or self.dtype, self.pad[width] if width else 0)
+
+    def result(self, o: torch.Tensor, state: torch.Tensor, like: torch.Tensor):
+        return _heads_first(o, like, self.V), state[..., :self.K, :self.V].float()
 
 
 def fla_chunk_delta_rule(
@@ -68,20 +100,20 @@ def fla_chunk_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.delta_rule.chunk_delta_rule` through fla: `chunk_delta_rule` (g None, DeltaNet) or
     `chunk_gated_delta_rule` (Gated DeltaNet), computing in `dtype`."""
-    scale, h0 = _prepare(k, scale, initial_state, dtype)
+    c = FlaCall("chunk_delta_rule" if g is None else "chunk_gated_delta_rule", k, v, scale, initial_state, dtype)
     cs = chunk_size if chunk_size in FLA_CHUNK_SIZES else 64
-    qs, ks, vs, bs = (_seq_first(t, dtype) for t in (q, k, v, beta))
+    qs, ks, vs, bs = c.seq_first(q, "k"), c.seq_first(k, "k"), c.seq_first(v, "v"), c.seq_first(beta)
     if g is None:
         from fla.ops.delta_rule import chunk_delta_rule
 
-        o, state = chunk_delta_rule(qs, ks, vs, bs, scale=scale, initial_state=h0, output_final_state=True,
+        o, state = chunk_delta_rule(qs, ks, vs, bs, scale=c.scale, initial_state=c.h0, output_final_state=True,
                                     chunk_size=cs)
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        o, state = chunk_gated_delta_rule(qs, ks, vs, g.transpose(1, 2).float(), bs, scale=scale, initial_state=h0,
-                                          output_final_state=True, chunk_size=cs)
-    return _heads_first(o, q), state.float()
+        o, state = chunk_gated_delta_rule(qs, ks, vs, c.seq_first(g, dtype=torch.float32), bs, scale=c.scale,
+                                          initial_state=c.h0, output_final_state=True, chunk_size=cs)
+    return c.result(o, state, q)
 
 
 def fla_chunk_linear_attention(
@@ -97,10 +129,10 @@ def fla_chunk_linear_attention(
     linear attention, q/k already feature-mapped, v already carrying the normaliser's ones column)."""
     from fla.ops.simple_gla import chunk_simple_gla
 
-    scale, h0 = _prepare(k, scale, initial_state, dtype)
-    qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
-    o, state = chunk_simple_gla(qs, ks, vs, scale=scale, initial_state=h0, output_final_state=True)
-    return _heads_first(o, q), state.float()
+    c = FlaCall("chunk_simple_gla", k, v, scale, initial_state, dtype)
+    o, state = chunk_simple_gla(c.seq_first(q, "k"), c.seq_first(k, "k"), c.seq_first(v, "v"), scale=c.scale,
+                                initial_state=c.h0, output_final_state=True)
+    return c.result(o, state, q)
 
 
 def fla_chunk_gated_linear_attention(
@@ -114,19 +146,20 @@ def fla_chunk_gated_linear_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.gated_linear_attention.chunk_gated_linear_attention` through fla: g (B, H, T, Dk) log-decays per key
     channel -> `chunk_gla`; g (B, H, T, 1) one per head -> `chunk_simple_gla`. g and the states stay fp32."""
-    scale, h0 = _prepare(k, scale, initial_state, dtype)
-    qs, ks, vs = (_seq_first(t, dtype) for t in (q, k, v))
-    if g.shape[-1] == 1:
+    per_head = g.shape[-1] == 1
+    c = FlaCall("chunk_simple_gla(g)" if per_head else "chunk_gla", k, v, scale, initial_state, dtype)
+    qs, ks, vs = c.seq_first(q, "k"), c.seq_first(k, "k"), c.seq_first(v, "v")
+    if per_head:
         from fla.ops.simple_gla import chunk_simple_gla
 
         gs = _seq_first(g[..., 0], torch.float32)  # (B, T, H)
-        o, state = chunk_simple_gla(qs, ks, vs, g=gs, scale=scale, initial_state=h0, output_final_state=True)
+        o, state = chunk_simple_gla(qs, ks, vs, g=gs, scale=c.scale, initial_state=c.h0, output_final_state=True)
     else:
         from fla.ops.gla import chunk_gla
 
-        o, state = chunk_gla(qs, ks, vs, _seq_first(g, torch.float32), scale=scale, initial_state=h0,
+        o, state = chunk_gla(qs, ks, vs, c.seq_first(g, "k", torch.float32), scale=c.scale, initial_state=c.h0,
                              output_final_state=True)
-    return _heads_first(o, q), state.float()
+    return c.result(o, state, q)
 
 
 def fla_chunk_generalized_delta_rule(
@@ -144,8 +177,8 @@ def fla_chunk_generalized_delta_rule(
     kernel): a, b, g (B, H, T, Dk); g (the log-decay) and the states stay fp32."""
     from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule
 
-    scale, h0 = _prepare(k, scale, initial_state, dtype)
-    qs, ks, vs, as_, bs = (_seq_first(t, dtype) for t in (q, k, v, a, b))
-    o, state = chunk_dplr_delta_rule(qs, ks, vs, as_, bs, _seq_first(g, torch.float32), scale=scale,
-                                     initial_state=h0, output_final_state=True)
-    return _heads_first(o, q), state.float()
+    c = FlaCall("chunk_dplr_delta_rule", k, v, scale, initial_state, dtype)
+    qs, ks, as_, bs = (c.seq_first(t, "k") for t in (q, k, a, b))
+    o, state = chunk_dplr_delta_rule(qs, ks, c.seq_first(v, "v"), as_, bs, c.seq_first(g, "k", torch.float32),
+                                     scale=c.scale, initial_state=c.h0, output_final_state=True)
+    return c.result(o, state, q)

@@ -17,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf import apply_init_from, check_init_vocab
-from attnzoo.training.build import build_module, check_kernels_present, prepare_data, resolve_ckpt, resolve_run_length
+from attnzoo.ops.dispatch import gate_notices, precision_compute_dtype
+from attnzoo.training.build import (build_module, check_kernels_present, prepare_data, resolve_ckpt, resolve_run_length,
+                                    run_device_type)
 from attnzoo.training.checkpoint_io import check_resume_compatible, flatten
 from attnzoo.training.config_checks import check_devices_present, validate
 from attnzoo.training.console import ConsoleLog
@@ -54,7 +56,7 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
     parts = validate(cfg)  # every config error surfaces here, before any work
     check_devices_present(parts["run"].trainer)
     check_launchable(parts["run"].trainer)  # several devices: through attnzoo's DDP launcher only
-    check_kernels_present(parts["model"], parts["run"].trainer)
+    check_kernels_present(parts)
     out = Path(parts["run"].paths.output_dir).expanduser()
     console = ConsoleLog(out / "train.log") if is_rank_zero() else contextlib.nullcontext()
 
@@ -92,6 +94,9 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
             on_accept()
         return _train_in_workers(container, out, n_workers)
     family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
+    if is_rank_zero():  # fla refuses a kernel on this device (ops/dispatch.py fla_gates): auto runs torch, and says so
+        for line in gate_notices(lit.model, run_device_type(run.trainer), precision_compute_dtype(run.trainer.precision)):
+            print(line, flush=True)
     parts["length"] = resolve_run_length(run, parts["data"], lit, family, container, ckpt)
     if on_accept is not None:
         on_accept()
