@@ -14,7 +14,7 @@ import pytest
 import torch
 from litdata import StreamingDataset, TokensLoader
 
-import attnzoo.data.shards as shards
+import attnzoo.data._shards_loader as shards_loader
 from attnzoo.config.errors import ConfigError
 from attnzoo.data.corpus import stdlib_files
 from attnzoo.data.prepare import prepare
@@ -58,7 +58,7 @@ def rows(run_dir) -> list[dict]:
 
 def module(path, rank=0, world=1, monkeypatch=None, **kw) -> ShardsDataModule:
     if monkeypatch is not None:
-        monkeypatch.setattr(shards, "_rank_world", lambda: (rank, world))
+        monkeypatch.setattr(shards_loader, "_rank_world", lambda: (rank, world))
     dm = ShardsDataModule(ShardsDataConfig(path=str(path), **{"seq_len": 15, "batch_size": 3, **kw}), seed=5)
     dm.setup("fit")
     return dm

@@ -16,28 +16,28 @@ continues with the very next batch.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Optional
-from unittest import mock
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import lightning as L
 import numpy as np
 import torch
-from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 from filelock import FileLock
-from litdata.utilities.env import _DistributedEnv
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
 from attnzoo.data.prepare import PrepareOptions, checked_options, prepare, resolve_source
 from attnzoo.data.prepare import read_manifest as read_prepared_manifest
 from attnzoo.data.prepare_tokens import tokenizer_source
-from attnzoo.data.sampling import ResumableDataLoader, _rank_world
 from attnzoo.data.tokenizer import FileTokenizer
+
+if TYPE_CHECKING:  # litdata itself is imported where shards are read (data/_shards_loader.py), not by every run
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    from attnzoo.data._shards_loader import ShardsLoader
 
 PREPARE = "attnzoo-data prepare SRC OUT"
 # Lightning warns that an IterableDataset with __len__ may repeat data across workers; litdata gives each
@@ -173,54 +173,6 @@ class BlockBatch:
         return x, y, ones, ones, starts.cumsum(1)
 
 
-def data_parallel_env(dataset: StreamingDataset) -> _DistributedEnv:
-    """The data-parallel rank and world the dataset shards over (context-parallel groups share a batch, so they
-    count once: sampling._rank_world), in litdata's terms."""
-    rank, world = _rank_world()
-    found = dataset.distributed_env
-    if (found.world_size, found.global_rank) == (world, rank):
-        return found
-    return _DistributedEnv(world_size=world, global_rank=rank, num_nodes=1)
-
-
-class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
-    """litdata's StreamingDataLoader, stateful for Lightning at the consumed position: `position` (epoch, batches
-    done in it) is set by DataPositionCallback after every training batch (as for data=text's
-    ResumableDataLoader), and `state_dict` is litdata's state after exactly those batches. litdata hands out
-    batch k of an epoch from worker k mod num_workers, so that state is its own, computed for k batches."""
-
-    _resuming = False  # a loaded state not yet iterated from
-
-    def __iter__(self) -> Iterator:
-        # litdata replays a loaded state on every iteration until one runs to its end, but the training loop
-        # stops an epoch after len(loader) batches without exhausting it: the state is for the next iteration only
-        if not self._resuming:
-            self.restore = False
-        self._resuming = False
-        yield from super().__iter__()
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.position is None:
-            return super().state_dict()
-        epoch, batches = int(self.position["epoch"]), int(self.position["batches"])
-        workers = max(1, self.num_workers)
-        samples = batches * self.batch_size
-        dataset = dict(self.dataset.state_dict(samples, self.num_workers, self.batch_size))
-        # litdata counts epochs from 1 (each new iteration adds one): Lightning's epoch E is litdata's E + 1; an
-        # epoch just finished (batches 0) is saved as the last one, so the next iteration starts epoch E + 1
-        dataset["current_epoch"] = epoch + 1 if batches else epoch
-        return {"dataset": dataset, "current_epoch": dataset["current_epoch"], "num_samples_yielded": samples,
-                "latest_worker_idx": (batches - 1) % workers if batches else 0}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # litdata compares the saved world with torch.distributed's (WORLD_SIZE wins), which counts context-parallel
-        # ranks too: tell it the data-parallel world the state was saved under
-        world = str(self.dataset.distributed_env.world_size)
-        with mock.patch.dict(os.environ, {"WORLD_SIZE": world}):
-            StreamingDataLoader.load_state_dict(self, state)  # mid-epoch: the next iteration replays to the position
-        self._resuming = True
-
-
 @register_data("shards", ShardsDataConfig)
 class ShardsDataModule(L.LightningDataModule):
     def __init__(self, cfg: ShardsDataConfig, cache_dir: str = "~/.cache/attnzoo", seed: int = 0):
@@ -266,6 +218,10 @@ class ShardsDataModule(L.LightningDataModule):
         return self.tokenizer.decode(ids)
 
     def _dataset(self, split: str, shuffle: bool) -> StreamingDataset:
+        from litdata import StreamingDataset, TokensLoader
+
+        from attnzoo.data._shards_loader import data_parallel_env
+
         ds = StreamingDataset(str(self.root / split), item_loader=TokensLoader(block_size=self.cfg.seq_len + 1),
                               shuffle=shuffle, seed=self.seed, drop_last=shuffle)
         ds.distributed_env = data_parallel_env(ds)
@@ -278,6 +234,8 @@ class ShardsDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ShardsLoader:
         """Shuffled per epoch from the run's seed, shared over ranks and workers, resumable at the exact batch."""
+        from attnzoo.data._shards_loader import ShardsLoader
+
         self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
                                          num_workers=self.cfg.num_workers, collate_fn=self._collate())
         if len(self.train_loader) == 0:
@@ -288,6 +246,8 @@ class ShardsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> StreamingDataLoader:
         """In order, shared over ranks (the LightningModule reduces the metrics exactly)."""
+        from litdata import StreamingDataLoader
+
         return StreamingDataLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
                                    num_workers=self.cfg.num_workers, collate_fn=self._collate())
 
