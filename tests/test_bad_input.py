@@ -226,6 +226,7 @@ def _cases(tmp):
          "need one launch per node"),
         ("zero lr", ["optim.lr=0"], "optim.lr", "must be positive"),
         ("decode compile not a choice", ["perf.decode_compile=maybe"], "perf.decode_compile", "allowed: auto, true, false"),
+        ("tf32 not a bool", ["trainer.tf32=maybe"], "trainer.tf32", "is not a valid bool"),
         ("zero eps", ["optim.eps=0"], "optim.eps", "must be positive"),
         ("unknown optimizer", ["optim.name=sgd"], "optim.name", "allowed: adamw"),
         ("unknown schedule", ["scheduler.name=step"], "scheduler.name", "allowed: cosine, noam, constant"),

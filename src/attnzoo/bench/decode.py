@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.bench.common import sync, windowed
-from attnzoo.models.decoding import Decoder
+from attnzoo.models.decoding import Decoder, untimed_steps
 from attnzoo.models.decoder import DecoderLM
 
 HELP = "decode tokens/s by mixer x context x batch: bytes per token, % of the memory roofline, eager vs compiled, vs transformers"
@@ -154,7 +154,7 @@ def rate(dec: Decoder, context: int, steps: int) -> float:
     dev = dec.cache.pos.device
     tok = torch.zeros(dec.batch, 1, dtype=torch.long, device=dev)
     seek(dec, context)
-    for _ in range(2 if dev.type == "cuda" else 1):  # CUDA graphs are recorded on the second call
+    for _ in range(untimed_steps(dev.type)):  # CUDA graphs are recorded on the second call
         dec._step(tok, None, None, None, None)
     best = float("inf")
     for _ in range(3):

@@ -145,6 +145,9 @@ class TrainerConfig:
     # memory (decoder LMs; docs/benchmarks.md#memory-activation-checkpointing-and-chunked-cross-entropy):
     activation_checkpointing: bool = False  # keep each block's input only; recompute the block in backward
     ce_chunk_tokens: int = 0  # >0: training loss from the hidden states this many tokens at a time (no full logits)
+    # TF32 for fp32 matmuls on CUDA (torch.set_float32_matmul_precision("high")); trainer=gpu turns it on, CPU runs
+    # ignore it (docs/gpu.md#gpu-defaults-tf32-fused-adamw-decode)
+    tf32: bool = False
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # read when strategy=fsdp (docs/distributed.md)
 
     def lightning_kwargs(self) -> dict:
@@ -153,7 +156,7 @@ class TrainerConfig:
 
         kw = asdict(self)
         for own in ("context_parallel", "context_parallel_layout", "activation_checkpointing", "ce_chunk_tokens",
-                    "max_tokens", "max_flops", "fsdp"):
+                    "max_tokens", "max_flops", "fsdp", "tf32"):
             kw.pop(own)
         return kw
 

@@ -112,6 +112,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
     return out
 
 
+def fused_adamw(params, precision: str) -> bool:
+    """Whether AdamW takes its fused kernel (one launch over all parameters instead of a loop of foreach kernels:
+    327 -> 49 ms per optimizer step on a 17.7M-param CPU model, docs/benchmarks.md) for these parameters at this
+    Lightning precision. Needs every parameter floating point and on one device type fused supports (cuda, cpu).
+    Then: on CUDA always, except 16-mixed (its GradScaler: a fused step unscales inside itself, so the gradients
+    Lightning clips before the step would still be scaled); under bf16-mixed the gradients carry no scale and
+    `TrainingModule.configure_gradient_clipping` clips them. On a CPU only without mixed precision (as before)."""
+    kinds = {p.device.type for p in params}
+    if len(kinds) != 1 or not all(p.is_floating_point() for p in params):
+        return False
+    kind = kinds.pop()
+    if kind == "cuda":
+        return str(precision) != "16-mixed"
+    return kind == "cpu" and "mixed" not in str(precision)
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN/inf (on_nonfinite=stop)."""
 
@@ -223,16 +239,27 @@ class TrainingModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim_cfg
-        # fused AdamW: one kernel over all parameters (327 -> 49 ms per optimizer step on a 17.7M-param model,
-        # docs/benchmarks.md). Lightning refuses gradient clipping with a fused optimizer under AMP, so the
-        # mixed-precision modes keep the foreach implementation.
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        opt = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay, o.lr), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-            fused="mixed" not in precision,
-        )
+        groups = param_groups(self.model, o.weight_decay, o.lr)
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                fused=fused_adamw([p for g in groups for p in g["params"]], precision))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """trainer.gradient_clip_val, also with fused AdamW under bf16-mixed (fused_adamw): Lightning's mixed
+        precision refuses to clip for an optimizer that unscales inside its step, which only matters with a
+        GradScaler (16-mixed); bf16 has none, so its gradients are clipped here as under full precision."""
+        plugin = self.trainer.precision_plugin
+        if getattr(plugin, "scaler", "none") is None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            from lightning.pytorch.plugins.precision import Precision
+            from lightning.pytorch.utilities import GradClipAlgorithmType
+
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val or 0.0, algorithm)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
 
     def lr_multiplier(self):
         """Optimizer step -> multiplier on optim.lr (scheduler.*; a subclass may shape it differently)."""

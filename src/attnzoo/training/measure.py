@@ -41,11 +41,21 @@ def measure_inference(model, context_len: int, decode_tokens: int, vocab_size: i
             "perf/decode_static": float(dec.cache is not None), "perf/decode_compiled": float(dec.compiled)}
 
 
+def decode_mode(device_type: str, setting) -> str:
+    """The decode step the run summary measures (perf/decode_tokens_per_sec), from the device type and
+    perf.decode_compile: "compiled" (torch.compile of the static-cache step; on CUDA mode="reduce-overhead",
+    i.e. replayed as one CUDA graph: per-token kernel launches dominate an eager step of a small model on a GPU)
+    or "eager". auto: compiled on CUDA only (a CPU's first inductor compile takes ~20 s, more than a small run's
+    decode probe); true / false: always / never. The summary records which ran: perf/decode_compiled (1 / 0; 0
+    also when the compile failed and the decoder fell back to eager)."""
+    if setting == "auto":
+        return "compiled" if device_type == "cuda" else "eager"
+    return "compiled" if setting else "eager"
+
+
 def decode_compile(run, device) -> bool:
-    """perf.decode_compile: auto compiles the measured decode step on CUDA only (a CPU's first inductor compile
-    takes ~20 s, more than a small run's decode probe), true / false always / never."""
-    setting = run.perf.decode_compile
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+    """decode_mode for this run's perf.decode_compile on `device`, as Decoder's compile= flag."""
+    return decode_mode(torch.device(device).type, run.perf.decode_compile) == "compiled"
 
 
 def inference_kv(run) -> dict:

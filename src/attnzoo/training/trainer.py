@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from attnzoo.data.sampling import DataPositionCallback
 from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
+from attnzoo.training.build import run_device_type
 from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 from attnzoo.training.console import RunHeader, RunProgressBar, quiet_lightning
 from attnzoo.training.fsdp import FSDPStrategy
@@ -71,6 +73,15 @@ def build_loggers(logger_cfg: dict, out: Path, container: dict, resume_step: int
     return loggers
 
 
+def matmul_precision(tf32: bool, device_type: str) -> str | None:
+    """torch.set_float32_matmul_precision's setting for a run (trainer.tf32): on CUDA "high" (fp32 matmuls in TF32,
+    ~8x the fp32 rate on tensor cores, 10 mantissa bits per product) or "highest" (full fp32); None on a CPU, which
+    this setting does not touch (left as it is)."""
+    if device_type != "cuda":
+        return None
+    return "high" if tf32 else "highest"
+
+
 def build_trainer(parts: dict, out: Path, loggers: list):
     """The Lightning Trainer with the run's callbacks; returns (trainer, throughput monitor)."""
     run, data_cfg = parts["run"], parts["data"]
@@ -104,6 +115,9 @@ def build_trainer(parts: dict, out: Path, loggers: list):
     if run.trainer.enable_progress_bar:  # steps to max_steps, with the run's ETA
         callbacks.append(RunProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20))  # also readable when piped
     quiet_lightning()
+    precision = matmul_precision(run.trainer.tf32, run_device_type(run.trainer))
+    if precision is not None:  # process-wide, before Lightning's device setup (it warns when left at "highest")
+        torch.set_float32_matmul_precision(precision)
     trainer_kwargs = run.trainer.lightning_kwargs()
     if trainer_kwargs["strategy"] == "fsdp":  # FSDP2 (training/fsdp.py); the module shards itself in configure_model
         trainer_kwargs["strategy"] = FSDPStrategy(run.trainer.fsdp)
