@@ -278,7 +278,7 @@ def gate_notices(model: Any, device_type: str, dtype: torch.dtype) -> list[str]:
     for i, m in enumerate(getattr(model, "mixers", [])):
         why = fla_gate(getattr(m, "fla_kernel", None), device_type)
         if why and getattr(m, "kernel_request", "auto") == "auto" and family_of(m) == "linear":
-            by_reason.setdefault(why, []).append(f"{i}:{getattr(m, 'name', type(m).__name__)}")
+            by_reason.setdefault(why, []).append(f"{i}:{getattr(getattr(m, 'cfg', None), 'name', type(m).__name__)}")
     return [f"attnzoo: layers {', '.join(layers)} run the torch chunk form, not fla: {why}"
             for why, layers in by_reason.items()]
 
