@@ -111,16 +111,17 @@ def fp16_atol(rounded: torch.Tensor, exact: torch.Tensor) -> float:
 KINDS = ["delta_rule", "gated_delta_rule", "linear_attention", "simple_gla", "gla", "dplr"]
 FLA_CHUNK = {"dplr": 16}  # fla's chunk length per kernel (chunk_dplr_delta_rule: 16; the others 64)
 # the interpreter runs every block in numpy (seconds per call): two shapes per kernel, between them below one chunk,
-# several chunks with a ragged last one, batch and heads 2, with and without an initial state
-SHAPES = {"below-chunk": (lambda c: c // 2 + 4, False), "3-chunks-ragged": (lambda c: 2 * c + c // 3, True)}
+# several chunks with a ragged last one, batch 2 and heads 2, with and without an initial state:
+# name: (T from fla's chunk length, initial state, batch)
+SHAPES = {"below-chunk": (lambda c: c // 2 + 4, False, 2), "3-chunks-ragged": (lambda c: 2 * c + c // 3, True, 1)}
 
 
-def shape(kind: str, name: str) -> tuple[int, bool]:
-    length, h0 = SHAPES[name]
-    return length(FLA_CHUNK.get(kind, 64)), h0
+def shape(kind: str, name: str) -> tuple[int, bool, int]:
+    length, h0, batch = SHAPES[name]
+    return length(FLA_CHUNK.get(kind, 64)), h0, batch
 
 
-def compare(kind: str, dtype: torch.dtype, T: int, h0: bool, chunk_size: int = 64, B: int = 2, H: int = 2, D: int = 16):
+def compare(kind: str, dtype: torch.dtype, T: int, h0: bool, B: int = 2, chunk_size: int = 64, H: int = 2, D: int = 16):
     t = inputs(kind, B, H, T, D, h0)
     ref = run(lambda x: torch_op(kind, x, chunk_size), t)
     # the wrappers' contract (ops/fla_kernels.py): o in q's dtype (fp64 here), the final state in fp32
@@ -167,7 +168,7 @@ def test_delta_rules_take_the_mixers_chunk_size(kind, chunk_size, fla_chunk, mon
         return original(*a, **kw)
 
     monkeypatch.setattr(module, name, spy)
-    compare(kind, torch.float16, 40, True, chunk_size=chunk_size)
+    compare(kind, torch.float16, 40, True, B=1, chunk_size=chunk_size)
     assert seen == [fla_chunk], seen
 
 
