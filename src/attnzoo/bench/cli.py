@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
                 p.set_defaults(**mod.QUICK)
     args = parser.parse_args(argv)
+    args.argv = argv  # for a mode that writes its results as they come (gpu_check), with the command in them
     from attnzoo.config.errors import ConfigError
 
     try:

@@ -8,12 +8,21 @@ final states included). Compared: the output (and final state) and the gradients
 parameter (or op input), by relative RMS error ||fast - ref|| / ||ref|| (fla's tests' measure); the worst
 gradient is named. A case passes when the fast kernel really ran (a spy on it: a silent fallback to torch
 fails) and each error is within its tolerance, max(bound of the dtype, 2 x the baseline's error), printed
-beside it. Exit status 1 when any case fails (the JSON and markdown are written first).
+beside it.
 
-  fla   linear_attention, deltanet, gated_deltanet (+ grouped value heads), gla, retnet, hgrn2, mamba2, rwkv7 as
-        mixers; the three delta-rule / linear ops with states
-  flex  sliding_window as a mixer (bf16, fp32); the sink and causal block masks as ops
+Fit for a short GPU rental (on a fresh machine the first call of each fla kernel compiles and autotunes it, 20-75 s
+a mixer): each case runs twice, the first call timed on its own (`first s`: compile + autotune + one run) and the
+second the check (`check s`); the cases run cheap first in a worker process that the parent kills at
+`--case-limit` seconds per case (status `timeout`; a fresh worker takes the rest) or when `--budget` runs out
+(the cases not reached: `not run`, never passed). Each row is streamed as its case ends: a JSON line appended to
+OUT/gpu_check.jsonl, and OUT/gpu_check.{json,md} rewritten. Exit status 1 when a case failed, errored or timed out;
+4 when all that ran passed but some did not run; 0 when every case is ok or skipped. `--quick`: every case at tiny
+sizes.
+
   sdpa  gqa in bf16 under SDPA's flash backend only (sdpa_kernel raises if flash cannot take the call)
+  flex  the causal and sink block masks as ops; sliding_window as a mixer (bf16, fp32)
+  fla   the three delta-rule / linear ops with states; deltanet, gated_deltanet (+ grouped value heads),
+        linear_attention, retnet, gla, hgrn2, mamba2, rwkv7 as mixers
 MoBA / NSA have no fast path (ops/dispatch.py): nothing to check.
 
 Without a CUDA device the command refuses in one line. `--device cpu` runs the same harness on the CPU
@@ -23,8 +32,11 @@ skipped and the flex ops run forward only (torch 2.13 has no flex backward on CP
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -45,7 +57,13 @@ def add_arguments(p) -> None:
     p.add_argument("--d-model", type=int, default=None, help="default: 256 on cuda (4 heads of 64), 32 on cpu")
     p.add_argument("--window", type=int, default=None, help="sliding_window W (default: 128 on cuda, 16 on cpu)")
     p.add_argument("--cases", nargs="+", default=None, help="only these case names (default: all)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, every case (cuda: T 200, d_model 128; the compile and autotune stay)")
+    p.add_argument("--case-limit", type=float, default=90.0,
+                   help="seconds per case, first call and check together (default 90): past it the case is killed "
+                        "and recorded as timeout")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all cases (default: none); the cases it does not reach are recorded as not run")
 
 
 @dataclass
@@ -301,25 +319,28 @@ class Case:
     run: Callable = field(repr=False)
 
 
+# cheap first: on a fresh machine the cost of a case is its kernels' compile and autotune (one mixer of fla: 20-75 s),
+# so SDPA and flex (one compile each) come first, then fla's three ops (the kernels the mixers reuse, compiled once
+# in the worker process), then the fla mixers, mamba2 and rwkv7 (the longest autotunes) last
 CASES = [
-    Case("fla/linear_attention", "fla", "bf16", mixer_case({"name": "linear_attention"}, "fla", "bf16")),
+    Case("sdpa-flash/gqa", "torch", "bf16", mixer_case({"name": "gqa"}, "torch", "bf16", flash=True)),
+    Case("flex/op-causal", "flex", "bf16", op_case("flex_causal", "bf16")),
+    Case("flex/op-sinks", "flex", "bf16", op_case("flex_sinks", "bf16")),
+    Case("flex/sliding_window", "flex", "bf16", mixer_case({"name": "sliding_window"}, "flex", "bf16")),
+    Case("flex/sliding_window-fp32", "flex", "fp32", mixer_case({"name": "sliding_window"}, "flex", "fp32")),
+    Case("fla/op-delta_rule-states", "fla", "bf16", op_case("fla_delta", "bf16")),
+    Case("fla/op-gated_delta_rule-states", "fla", "bf16", op_case("fla_gated_delta", "bf16")),
+    Case("fla/op-linear_attention-states", "fla", "bf16", op_case("fla_linear", "bf16")),
     Case("fla/deltanet", "fla", "bf16", mixer_case({"name": "deltanet"}, "fla", "bf16")),
     Case("fla/gated_deltanet", "fla", "bf16", mixer_case({"name": "gated_deltanet"}, "fla", "bf16")),
     Case("fla/gated_deltanet-gva", "fla", "bf16",
          mixer_case({"name": "gated_deltanet", "n_heads": 2, "n_v_heads": 4}, "fla", "bf16")),
-    Case("fla/gla", "fla", "bf16", mixer_case({"name": "gla"}, "fla", "bf16")),
+    Case("fla/linear_attention", "fla", "bf16", mixer_case({"name": "linear_attention"}, "fla", "bf16")),
     Case("fla/retnet", "fla", "bf16", mixer_case({"name": "retnet"}, "fla", "bf16")),
+    Case("fla/gla", "fla", "bf16", mixer_case({"name": "gla"}, "fla", "bf16")),
     Case("fla/hgrn2", "fla", "bf16", mixer_case({"name": "hgrn2"}, "fla", "bf16")),
     Case("fla/mamba2", "fla", "bf16", mixer_case({"name": "mamba2"}, "fla", "bf16")),
     Case("fla/rwkv7", "fla", "bf16", mixer_case({"name": "rwkv7"}, "fla", "bf16")),
-    Case("fla/op-delta_rule-states", "fla", "bf16", op_case("fla_delta", "bf16")),
-    Case("fla/op-gated_delta_rule-states", "fla", "bf16", op_case("fla_gated_delta", "bf16")),
-    Case("fla/op-linear_attention-states", "fla", "bf16", op_case("fla_linear", "bf16")),
-    Case("flex/sliding_window", "flex", "bf16", mixer_case({"name": "sliding_window"}, "flex", "bf16")),
-    Case("flex/sliding_window-fp32", "flex", "fp32", mixer_case({"name": "sliding_window"}, "flex", "fp32")),
-    Case("flex/op-sinks", "flex", "bf16", op_case("flex_sinks", "bf16")),
-    Case("flex/op-causal", "flex", "bf16", op_case("flex_causal", "bf16")),
-    Case("sdpa-flash/gqa", "torch", "bf16", mixer_case({"name": "gqa"}, "torch", "bf16", flash=True)),
 ]
 
 
@@ -327,67 +348,233 @@ CASES = [
 class Context:
     device: torch.device
     sizes: Sizes
+    threads: int = 1  # torch's intra-op threads in the worker (the parent's, e.g. attnzoo-bench --threads)
 
 
-def check_case(case: Case, ctx: Context) -> dict:
-    """One row: the case's errors, tolerances and status (ok | FAIL | skip | error: first line)."""
-    row = {"case": case.name, "kernel": case.kernel if ctx.device.type == "cuda" else "torch",
-           "dtype": case.dtype if ctx.device.type == "cuda" else "fp32"}
+def first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]}"
+
+
+def base_row(case: Case, ctx: Context) -> dict:
+    cuda = ctx.device.type == "cuda"
+    return {"case": case.name, "kernel": case.kernel if cuda else "torch", "dtype": case.dtype if cuda else "fp32"}
+
+
+def check_case(case: Case, ctx: Context, on_first: Callable[[float], None] = lambda seconds: None) -> dict:
+    """One row: the case run twice, the first call timed on its own (`first s`: the kernels' compile and autotune on
+    a fresh machine, plus one run) and the second call the check (`check s`; its errors, tolerances and status:
+    ok | FAIL | skip | error: first line). `on_first(seconds)` is told when the first call ends."""
+    row = base_row(case, ctx)
     t0 = time.perf_counter()
+    first_s = None
     try:
         res = case.run(ctx)
+        first_s = time.perf_counter() - t0
+        on_first(first_s)
+        if "skip" in res:
+            return {**row, "status": f"skip ({res['skip']})", "first s": first_s}
+        t1 = time.perf_counter()
+        res = case.run(ctx)
+        check_s = time.perf_counter() - t1
     except Exception as e:  # one broken path must not hide the others
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return {**row, "status": f"error: {type(e).__name__}: {first[:200]}", "seconds": time.perf_counter() - t0}
-    if "skip" in res:
-        return {**row, "status": f"skip ({res['skip']})", "seconds": time.perf_counter() - t0}
+        spent = time.perf_counter() - t0
+        return {**row, "status": f"error: {first_line(e)}", "first s": spent if first_s is None else first_s,
+                "check s": None if first_s is None else spent - first_s}
     (out_err, out_base), (gerr, gname, gbase) = res["out"], res["grad"]
     out_tol, grad_tol = tolerance(res["bounds"][0], out_base), tolerance(res["bounds"][1], gbase)
     ok = res["ran"] and out_err <= out_tol and gerr <= grad_tol
     status = "ok" if ok else ("FAIL (fast kernel did not run)" if not res["ran"] else "FAIL")
     return {**row, "ran": "yes" if res["ran"] else "no", "out err": out_err, "out tol": out_tol, "out base": out_base,
             "grad err": gerr, "grad tol": grad_tol, "grad base": gbase, "worst grad": gname, "status": status,
-            "seconds": time.perf_counter() - t0}
+            "first s": first_s, "check s": check_s}
 
 
 COLUMNS = ["case", "kernel", "dtype", "ran", "out err", "out tol", "out base", "grad err", "grad tol", "grad base",
-           "worst grad", "status", "seconds"]
+           "worst grad", "status", "first s", "check s"]
+
+
+# ------------------------------------------------------------------------------------------ the runner
+# The cases run in a child process (the worker), which the parent kills when a case passes --case-limit or the
+# --budget runs out. A signal in the main thread (signal.alarm) could not bound them: a hung Triton compile or
+# autotune, or a kernel that never returns, sits in C code that never reaches the Python interpreter's signal
+# check; a killed process always ends, and the driver frees its GPU memory. One worker runs the cases in order (so
+# fla kernels compiled and autotuned for one case serve the next; Triton's disk cache also survives a killed
+# worker); after a kill or a crash a fresh worker takes the remaining cases. On CUDA the worker is spawned (CUDA
+# cannot be used in a forked child); on a CPU it is forked (fast, and it sees the cases a test swaps in).
+START_METHOD = {"cuda": "spawn", "cpu": "fork"}
+
+
+def worker(names: list, ctx: Context, conn) -> None:
+    """The child: runs the named cases of CASES in order, telling the parent ("start", name), ("first", seconds)
+    and ("row", row) as each goes, and starting the next case once the parent has written the row (its reply)."""
+    torch.set_num_threads(ctx.threads)
+    by_name = {c.name: c for c in CASES}
+    for name in names:
+        conn.send(("start", name))
+        conn.send(("row", check_case(by_name[name], ctx, on_first=lambda s: conn.send(("first", s)))))
+        conn.recv()
+    conn.close()
+
+
+def run_cases(cases: list, ctx: Context, *, case_limit: float, budget: Optional[float],
+              on_row: Callable[[dict], None]) -> list:
+    """Every case's row, in order, each handed to `on_row` as it ends: the worker's row, or `timeout` (the case
+    passed `case_limit` seconds, first call and check together, or the `budget` ran out while it ran), or `error`
+    (the worker died in it), or `not run` (the budget ran out before it started)."""
+    import multiprocessing
+
+    mp = multiprocessing.get_context(START_METHOD[ctx.device.type])
+    deadline = time.monotonic() + budget if budget else math.inf
+    by_name = {c.name: c for c in cases}
+    pending, rows = [c.name for c in cases], []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        pending.remove(row["case"])
+        on_row(row)
+
+    while pending and time.monotonic() < deadline:
+        conn, child = mp.Pipe()
+        proc = mp.Process(target=worker, args=(list(pending), ctx, child), daemon=True, name="gpu_check-worker")
+        proc.start()
+        child.close()
+        current = started = first_s = None
+        try:
+            while pending:
+                now = time.monotonic()
+                limit_at = started + case_limit if current else math.inf
+                wait = min(deadline, limit_at) - now
+                if not conn.poll(None if wait == math.inf else max(0.0, wait)):  # the limit or the budget is reached
+                    if current is None:  # between cases (the worker starting): what is left is not run
+                        break
+                    phase = "the first call" if first_s is None else "the check"
+                    why = (f"> {case_limit:g} s per case, in {phase}" if limit_at <= deadline
+                           else f"the --budget of {budget:g} s ran out in {phase}")
+                    emit({**base_row(by_name[current], ctx), "status": f"timeout ({why})", "first s": first_s,
+                          "check s": None if first_s is None else time.monotonic() - started - first_s})
+                    break
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:  # the worker died: a crash in a kernel, the out-of-memory killer
+                    proc.join(5)
+                    if current is None:
+                        for name in list(pending):
+                            emit({**base_row(by_name[name], ctx), "status": f"error: the worker process exited "
+                                  f"(code {proc.exitcode}) before running a case"})
+                        break
+                    emit({**base_row(by_name[current], ctx), "status": f"error: the worker process died in this "
+                          f"case (exit code {proc.exitcode})", "first s": first_s})
+                    break
+                if kind == "start":
+                    current, started, first_s = payload, time.monotonic(), None
+                elif kind == "first":
+                    first_s = payload
+                else:
+                    emit(payload)  # written before the worker goes on
+                    current = None
+                    conn.send("next")
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+            conn.close()
+    for name in list(pending):
+        emit({**base_row(by_name[name], ctx), "status": f"not run (the --budget of {budget:g} s ran out)"})
+    return rows
+
+
+class Stream:
+    """The results as they come: OUT/gpu_check.jsonl gets each row as a JSON line when its case ends, and
+    OUT/gpu_check.{json,md} are rewritten after each row (the cases not ended yet listed as `not run yet`), so a
+    machine lost mid-check leaves every row it finished."""
+
+    def __init__(self, out: Path, argv: list, cases: list, ctx: Context, notes: Callable[[list], list]):
+        self.out, self.argv, self.ctx, self.notes = Path(out), argv, ctx, notes
+        self.cases, self.rows = cases, []
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.out / "gpu_check.jsonl"
+        self.jsonl.write_text("")
+
+    def __call__(self, row: dict) -> None:
+        from attnzoo.bench.cli import write_result
+
+        self.rows.append(row)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        done = {r["case"] for r in self.rows}
+        waiting = [{**base_row(c, self.ctx), "status": "not run yet"} for c in self.cases if c.name not in done]
+        write_result("gpu_check", result(self.rows + waiting, self.notes(self.rows)), self.out, self.argv)
+
+
+def result(rows: list, notes: list) -> dict:
+    return {"title": "GPU fast paths vs torch references (outputs and gradients)", "columns": COLUMNS, "rows": rows,
+            "notes": notes}
+
+
+def outcome(rows: list) -> tuple[str, int]:
+    """The summary line and the exit status: 1 when a case failed, errored or timed out; 4 when all that ran
+    passed but some did not run (an incomplete check never passes); 0 when every case is ok or skipped."""
+    def kind(status: str) -> str:
+        return next((k for k in ("ok", "skip", "timeout", "not run") if status.startswith(k)), "failed")
+
+    kinds = [kind(r["status"]) for r in rows]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("ok", "skip", "failed", "timeout", "not run") if k in kinds)
+    bad = [r["case"] for r, k in zip(rows, kinds) if k in ("failed", "timeout")]
+    line = f"result: {counts} of {len(rows)} cases" + (f"; FAILED: {', '.join(bad)}" if bad else "")
+    return line, (1 if bad else 4 if "not run" in kinds else 0)
 
 
 def sizes_for(args) -> Sizes:
-    cuda = args.device == "cuda" and not args.quick
-    return Sizes(batch=args.batch, T=args.seq_len or (1000 if cuda else 40), d_model=args.d_model or (256 if cuda else 32),
-                 window=args.window or (128 if cuda else 16))
+    """--quick: tiny sizes (a CPU's harness sizes; on CUDA 4 heads of 32, the smallest fla's kernels take well)."""
+    if args.device == "cuda":
+        T, d, W = (200, 128, 32) if args.quick else (1000, 256, 128)
+    else:
+        T, d, W = 40, 32, 16
+    return Sizes(batch=args.batch, T=args.seq_len or T, d_model=args.d_model or d, window=args.window or W)
 
 
 def run(args) -> dict:
     from attnzoo.config.errors import ConfigError
 
+    if args.case_limit <= 0:
+        raise ConfigError(f"must be > 0 seconds, got {args.case_limit:g}", field="--case-limit")
+    if args.budget is not None and args.budget <= 0:
+        raise ConfigError(f"must be > 0 seconds, got {args.budget:g}; allowed: omit it for no limit", field="--budget")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device is visible; allowed here: --device cpu (the harness on the torch paths)",
                           field="--device")
     device = torch.device(args.device)
-    ctx = Context(device, sizes_for(args))
+    ctx = Context(device, sizes_for(args), torch.get_num_threads())
     cases = [c for c in CASES if not args.cases or c.name in args.cases]
     if args.cases and len(cases) != len(args.cases):
         known = ", ".join(c.name for c in CASES)
         raise ConfigError(f"unknown case in {args.cases}; allowed: {known}", field="--cases")
-    rows = []
-    for case in cases:
-        row = check_case(case, ctx)
-        rows.append(row)
-        print(f"gpu_check {row['case']:<34} {row['status']}", flush=True)
-    failed = [r["case"] for r in rows if not (r["status"] == "ok" or r["status"].startswith("skip"))]
     s = ctx.sizes
-    notes = [
+    head = [
         f"device={device.type}" + (f" ({torch.cuda.get_device_name(0)})" if device.type == "cuda" else "") +
-        f"; batch={s.batch} T={s.T} d_model={s.d_model} heads={s.n_heads}/{s.n_kv_heads}kv W={s.window}.",
+        f"; batch={s.batch} T={s.T} d_model={s.d_model} heads={s.n_heads}/{s.n_kv_heads}kv W={s.window}"
+        f"{' (--quick)' if args.quick else ''}; per case <= {args.case_limit:g} s"
+        + (f", all cases <= {args.budget:g} s (--budget)" if args.budget else "") + ".",
         "errors: ||fast - ref|| / ||ref|| (fp64); ref = the torch path in fp32 (TF32 off) on the same weights and "
         "inputs; base = the torch path in the case's dtype; tol = max(bound, 2 x base), bounds (out, grad): " +
         ", ".join(f"{k} {v[0]:g}/{v[1]:g}" for k, v in BOUNDS.items()) + (f"; cpu {CPU_BOUNDS[0]:g}/{CPU_BOUNDS[1]:g}"),
+        "first s: the case's first call (on a fresh machine: the kernels' compile and autotune, then one run); "
+        "check s: the second call, whose errors are the check. Cases run in order in a worker process, killed at "
+        "the per-case limit (timeout) or when the budget runs out (the cases after it: not run).",
         "ran: the fast kernel was called (a spy on it); sdpa-flash runs under sdpa_kernel(FLASH_ATTENTION) only.",
         "MoBA / NSA: torch only (data-dependent per-query block selection; docs/gpu.md).",
-        f"result: {len(rows) - len(failed)} of {len(rows)} ok or skipped" + (f"; FAILED: {', '.join(failed)}" if failed else ""),
     ]
-    return {"title": "GPU fast paths vs torch references (outputs and gradients)", "columns": COLUMNS, "rows": rows,
-            "notes": notes, "exit_code": 1 if failed else 0}
+
+    def notes(rows: list) -> list:
+        return head + [outcome(rows)[0]]
+
+    stream = Stream(args.out, getattr(args, "argv", []), cases, ctx, notes)
+
+    def on_row(row: dict) -> None:
+        times = "  ".join(f"{k} {row[k]:.1f}" for k in ("first s", "check s") if row.get(k) is not None)
+        print(f"gpu_check {row['case']:<34} {row['status']}" + (f"  ({times})" if times else ""), flush=True)
+        stream(row)
+
+    rows = run_cases(cases, ctx, case_limit=args.case_limit, budget=args.budget, on_row=on_row)
+    line, code = outcome(rows)
+    return {**result(rows, head + [line]), "exit_code": code}
