@@ -13,7 +13,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import follow_umask
-from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded
+from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded, verify_sharded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -65,8 +65,12 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path", weights: bool =
     folder (trainer=fsdp, training/fsdp.py) is consolidated in memory, or with `weights=False` read without its
     tensors (its meta.pt: step, callbacks, hyper-parameters)."""
     p = Path(path)
-    if is_sharded_checkpoint(p):
-        state = load_sharded(p) if weights else torch.load(p / META, map_location="cpu", weights_only=True)
+    if is_sharded_checkpoint(p):  # checked whole before anything is loaded (distributed/fsdp.py verify_sharded)
+        if weights:
+            state = load_sharded(p, field)
+        else:
+            verify_sharded(p, field)
+            state = torch.load(p / META, map_location="cpu", weights_only=True)
         if "global_step" not in state:
             raise ConfigError(f"{path} is not a training checkpoint (missing global_step)", field=field)
         return state

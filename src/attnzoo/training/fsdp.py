@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from attnzoo.config.errors import check
-from attnzoo.distributed.fsdp import gather_full_model, is_sharded_checkpoint
+from attnzoo.distributed.fsdp import gather_full_model, is_sharded_checkpoint, verify_sharded
 
 
 def unshard_for_rank_zero(lit) -> None:
@@ -69,6 +69,13 @@ class FSDPStrategy(ModelParallelStrategy):
             os.replace(tmp, folder)  # complete: give it its final name, then point the link at it
             publish(folder, path)
         self.barrier("attnzoo.fsdp.publish")
+
+    def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any):
+        """Lightning's DCP load (plain pickle for `.metadata`, weights_only=False for non-tensor entries) runs only on
+        a folder that `verify_sharded` found to hold plain data: a payload is refused in one line, unrun."""
+        if is_sharded_checkpoint(checkpoint_path):
+            verify_sharded(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:

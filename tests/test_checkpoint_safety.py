@@ -1,0 +1,195 @@
+"""No checkpoint runs code (issue 43 item 1). torch.distributed.checkpoint's FileSystemReader reads a folder's
+`.metadata` with plain `pickle.load`, and its default planner reads non-tensor entries of a `.distcp` shard with
+`torch.load(weights_only=False)`: a payload planted in either ran in every entry point. Now each sharded folder is
+checked whole before anything in it is loaded (distributed/fsdp.py verify_sharded) and read with restricted
+readers; single files load weights_only. A planted payload writes a marker file and then returns the real object,
+so a load that ran it would otherwise succeed: every entry point must refuse in one line and leave no marker."""
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo.config.errors import ConfigError
+from tests.conftest import compose_cfg
+
+
+class Payload:
+    """Unpickling it runs `code` (writes the marker, then evaluates to the real object)."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self):
+        return eval, (self.code,)
+
+
+def payload_pickle(marker: Path, real: bytes) -> bytes:
+    return pickle.dumps(Payload(f"(__import__('pathlib').Path({str(marker)!r}).write_text('ran'), "
+                                f"__import__('pickle').loads({real!r}))[1]"))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A trainer=fsdp_cpu run (1 process) with its sharded checkpoints: checkpoints/last.ckpt -> a DCP folder."""
+    from attnzoo.training.run import train
+
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    train(compose_cfg(["debug=smoke", "trainer=fsdp_cpu", "trainer.devices=1", "data.tokenizer=char",
+                       "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.decode_tokens=0"], out))
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def folder_of(run: Path) -> Path:
+    return (run / "checkpoints" / "last.ckpt").resolve()
+
+
+def plant(run: Path, where: str, marker: Path) -> None:
+    """A payload in `where` of the run's last checkpoint folder: .metadata, meta.pt, or a .distcp bytes entry."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    folder = folder_of(run)
+    real = (folder / ".metadata").read_bytes()
+    if where == ".metadata":
+        (folder / ".metadata").write_bytes(payload_pickle(marker, real))
+    elif where == "meta.pt":
+        meta = torch.load(folder / "meta.pt", weights_only=True)
+        meta["planted"] = Payload(f"__import__('pathlib').Path({str(marker)!r}).write_text('ran')")
+        torch.save(meta, folder / "meta.pt")
+    elif where == ".distcp":  # one non-tensor entry (an optimizer param_group value) re-pointed at a payload
+        md = pickle.loads(real)
+        fqn = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+        info = md.storage_data[MetadataIndex(fqn)]
+        buf = io.BytesIO()
+        torch.save(Payload(f"(__import__('pathlib').Path({str(marker)!r}).write_text('ran'), 0.1)[1]"), buf)
+        shard = folder / info.relative_path
+        offset = shard.stat().st_size
+        with open(shard, "ab") as f:
+            f.write(buf.getvalue())
+        info.offset, info.length = offset, len(buf.getvalue())
+        (folder / ".metadata").write_bytes(pickle.dumps(md))
+    else:
+        raise ValueError(where)
+
+
+def entry_points(run: Path, tmp: Path):
+    """name -> a call that reads the run's last checkpoint the way that entry point does."""
+    from attnzoo.cli import ckpt as ckpt_cli
+    from attnzoo.cli import export as export_cli
+    from attnzoo.distributed.fsdp import load_sharded
+    from attnzoo.inference.generate import load
+    from attnzoo.training.checkpoint_io import check_checkpoint
+    from attnzoo.training.fsdp import FSDPStrategy
+    from attnzoo.training.run import train
+
+    last = run / "checkpoints" / "last.ckpt"
+    return {
+        "check_checkpoint (eval, generate, export, info)": lambda: check_checkpoint(last),
+        "resume check (weights=False)": lambda: check_checkpoint(last, weights=False),
+        "load_sharded": lambda: load_sharded(last),
+        "attnzoo-ckpt info": lambda: ckpt_cli.main(["info", str(last)]),
+        "attnzoo-ckpt consolidate": lambda: ckpt_cli.main(["consolidate", str(last), str(tmp / "one.ckpt")]),
+        "attnzoo.load / attnzoo-generate": lambda: load(run),
+        "attnzoo-export": lambda: export_cli.main([str(run), str(tmp / "hf")]),
+        "FSDPStrategy.load_checkpoint (Lightning's DCP load)": lambda: FSDPStrategy.load_checkpoint(object(), last),
+        "train ckpt_path= (1 process)": lambda: train(compose_cfg(
+            ["debug=smoke", "data.tokenizer=char", f"ckpt_path={last}"], tmp / "resume1")),
+        "train ckpt_path= (trainer=fsdp_cpu)": lambda: train(compose_cfg(
+            ["debug=smoke", "data.tokenizer=char", "trainer=fsdp_cpu", "trainer.devices=1", f"ckpt_path={last}"],
+            tmp / "resume2")),
+    }
+
+
+def refused_in_one_line(call, capsys) -> str:
+    """The call refuses: a ConfigError, or a CLI's exit 2 with one `error:` line on stderr. Returns the message."""
+    try:
+        call()
+    except ConfigError as e:
+        msg = str(e)
+    except SystemExit as e:
+        assert e.code == 2, e.code
+        msg = capsys.readouterr().err.strip()
+    else:
+        raise AssertionError("the checkpoint was accepted")
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("where", [".metadata", "meta.pt", ".distcp"])
+def test_a_payload_never_runs_in_any_entry_point(where, sharded_run, tmp_path, capsys):
+    run = copy_run(sharded_run, tmp_path / "run")
+    marker = tmp_path / "marker"
+    plant(run, where, marker)
+    names = []
+    for name, call in entry_points(run, tmp_path).items():
+        msg = refused_in_one_line(call, capsys)
+        assert not marker.exists(), f"{name}: the payload ran"
+        assert where in msg and "nothing in the checkpoint was loaded" in msg, (name, msg)
+        names.append(name)
+    assert len(names) == 10
+
+
+def test_the_unplanted_checkpoint_loads(sharded_run, tmp_path):
+    """The same readers accept what trainer=fsdp writes (and consolidate it)."""
+    from attnzoo.cli import ckpt as ckpt_cli
+    from attnzoo.training.checkpoint_io import check_checkpoint
+
+    state = check_checkpoint(sharded_run / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 2 and state["optimizer_states"][0]["param_groups"][0]["lr"] > 0
+    ckpt_cli.main(["consolidate", str(sharded_run / "checkpoints" / "last.ckpt"), str(tmp_path / "one.ckpt")])
+    assert check_checkpoint(tmp_path / "one.ckpt")["global_step"] == 2
+
+
+def test_a_payload_in_a_single_file_checkpoint(tmp_path, capsys):
+    """A .ckpt holding a payload: weights_only refuses it in one line, unrun."""
+    from attnzoo.training.checkpoint_io import check_checkpoint
+
+    marker = tmp_path / "marker"
+    torch.save({"global_step": 1, "state_dict": {}, "x": Payload(f"open({str(marker)!r}, 'w')")},
+               tmp_path / "bad.ckpt")
+    msg = refused_in_one_line(lambda: check_checkpoint(tmp_path / "bad.ckpt"), capsys)
+    assert "bad.ckpt cannot be loaded" in msg and not marker.exists()
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("escape", "names a shard outside the folder ('../outside.distcp')"),
+    ("absolute", "names a shard outside the folder ('/tmp/"),
+    ("missing-shard", "__0_0.distcp is missing"),
+    ("truncated-shard", "__0_0.distcp is truncated"),
+    ("garbage-metadata", ".metadata is not a plain torch.distributed.checkpoint index"),
+    ("truncated-metadata", ".metadata is not a plain torch.distributed.checkpoint index"),
+])
+def test_damaged_folders_are_refused_in_one_line(damage, expect, sharded_run, tmp_path, capsys):
+    from attnzoo.training.checkpoint_io import check_checkpoint
+
+    run = copy_run(sharded_run, tmp_path / "run")
+    folder = folder_of(run)
+    md_bytes = (folder / ".metadata").read_bytes()
+    md = pickle.loads(md_bytes)
+    if damage in ("escape", "absolute"):
+        outside = tmp_path / "outside.distcp"
+        shutil.copy(folder / "__0_0.distcp", outside)
+        for info in md.storage_data.values():
+            info.relative_path = "../outside.distcp" if damage == "escape" else str(outside)
+        (folder / ".metadata").write_bytes(pickle.dumps(md))
+    elif damage == "missing-shard":
+        (folder / "__0_0.distcp").unlink()
+    elif damage == "truncated-shard":
+        data = (folder / "__0_0.distcp").read_bytes()
+        (folder / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    elif damage == "garbage-metadata":
+        (folder / ".metadata").write_bytes(b"not a pickle at all")
+    else:
+        (folder / ".metadata").write_bytes(md_bytes[: len(md_bytes) // 2])
+    for weights in (True, False):
+        msg = refused_in_one_line(lambda: check_checkpoint(run / "checkpoints" / "last.ckpt", weights=weights), capsys)
+        assert msg.startswith("ckpt_path: ") and expect in msg, msg
