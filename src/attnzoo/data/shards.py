@@ -146,11 +146,41 @@ def read_manifest(path: str, field: str = "data.path") -> dict:
     return manifest
 
 
+def read_split_index(split_dir: Path, field: str = "data.path") -> dict:
+    """A split's litdata index.json, checked before litdata reads anything (one-line ConfigError naming the file):
+    valid JSON with a `chunks` list; every chunk file named by a plain file name of this folder (never `../x` or an
+    absolute path: litdata joins the name to the folder and would read files outside it), present, and at least
+    as long as the index says (a truncated or missing chunk otherwise ends in litdata's ChunkWaitTimeoutError
+    after minutes)."""
+    index_file = split_dir / "index.json"
+    try:
+        index = json.loads(index_file.read_text())
+        chunks = index["chunks"]
+        if not isinstance(chunks, list):
+            raise TypeError("chunks is not a list")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ConfigError(f"{index_file} is not a litdata index ({type(e).__name__}: {str(e)[:120]}); allowed: a "
+                          f"folder written by `{PREPARE}` (rerun it)", field=field) from None
+    for c in chunks:
+        name = str(c.get("filename", "")) if isinstance(c, dict) else ""
+        if not name or Path(name).is_absolute() or Path(name).name != name or name in (".", ".."):
+            raise ConfigError(f"{index_file} names a chunk outside its folder ({name!r}); allowed: file names in "
+                              f"{split_dir}", field=field)
+        chunk = split_dir / name
+        if not chunk.is_file():
+            raise ConfigError(f"{chunk} is missing (its index.json names it); allowed: a complete prepared folder "
+                              f"(rerun `{PREPARE}`)", field=field)
+        want = int(c.get("chunk_bytes") or 0)
+        if chunk.stat().st_size < want:
+            raise ConfigError(f"{chunk} is truncated ({chunk.stat().st_size} of {want} bytes); allowed: a complete "
+                              f"prepared folder (rerun `{PREPARE}`)", field=field)
+    return index
+
+
 def count_blocks(split_dir: Path, block: int) -> int:
     """Blocks of `block` tokens litdata's TokensLoader cuts from a split (each chunk's tail shorter than a block is
-    left out), from its index.json."""
-    index = json.loads((split_dir / "index.json").read_text())
-    return sum(int(c["dim"] or 0) // block for c in index["chunks"])
+    left out), from its index.json (checked: read_split_index)."""
+    return sum(int(c["dim"] or 0) // block for c in read_split_index(split_dir)["chunks"])
 
 
 class BlockBatch:
