@@ -246,6 +246,11 @@ def _cases(tmp):
         cases.append(("mla ranks", ["model/mixer=mla", "model.mixer.kv_lora_rank=0"], "model.layers[0].mixer.kv_lora_rank", ""))
     if "sliding_window" in MIXERS.names():
         cases.append(("window <= 0", ["model/mixer=sliding_window", "model.mixer.window=0"], "model.layers[0].mixer.window", ""))
+    if not torch.cuda.is_available():  # no CUDA, no TRITON_INTERPRET here (tests/interp has the interpreter's cases)
+        cases.append(("explicit fla on a CPU", ["model/mixer=gated_deltanet", "model.impl=fla"], "model.impl",
+                      "fla needs a CUDA device (or TRITON_INTERPRET=1 on a CPU) with fla-core and triton"))
+        cases.append(("explicit flex on a CPU", ["model/mixer=sliding_window", "model.impl=flex"], "model.impl",
+                      "flex needs a CUDA device with triton"))
     if "moe" in FFNS.names():
         cases.append(("top-k > experts", ["model/ffn=moe", "model.ffn.n_experts=4", "model.ffn.top_k=5"], "model.ffn.top_k", ""))
     return cases
