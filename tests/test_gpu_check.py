@@ -143,3 +143,21 @@ def test_bad_limits_are_refused_in_one_line(tmp_path, capsys, flags, message):
         cli.main(["--out", str(tmp_path), "gpu_check", "--device", "cpu", *flags])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == message
     assert not (tmp_path / "gpu_check.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags,total", [([], 600), (["--quick"], 240)], ids=["full", "quick"])
+def test_the_script_plans_within_its_total(flags, total):
+    """scripts/gpu_check.sh --plan: every step's limit printed, the limits adding up to at most the script's own
+    total, which is at most 10 minutes (--quick: 4); the script also cuts each step to what is left of it."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    out = subprocess.run(["bash", str(script), "--plan", *flags], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    head, *steps = out.stdout.strip().splitlines()
+    planned, of = map(int, re.search(r"limits adding up to (\d+) s of a (\d+) s total", head).groups())
+    limits = [int(re.match(r"\s+\S+\s+(\d+) s\s", line).group(1)) for line in steps]
+    assert len(limits) >= 5 and sum(limits) == planned <= of <= total
+    assert any(line.split()[0] == "gpu_check" for line in steps)
