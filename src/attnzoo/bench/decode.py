@@ -35,7 +35,7 @@ from attnzoo.bench.common import sync, windowed
 from attnzoo.models.decoding import Decoder, untimed_steps
 from attnzoo.models.decoder import DecoderLM
 
-HELP = "decode tokens/s by mixer x context x batch: bytes per token, % of the memory roofline, eager vs compiled, vs transformers"
+HELP = "decode tokens/s by mixer x context x batch: bytes per token, %% of the memory roofline, eager vs compiled, vs transformers"
 
 QUICK = {"mixers": ["gqa", "gated_deltanet"], "contexts": [32, 64], "batches": [1, 2], "d_model": 64, "n_layers": 2,
          "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "vocab": 256, "steps": 4, "bandwidth_mib": 16}

@@ -1,0 +1,47 @@
+"""Every console script's --help, and each subcommand's, exits 0 with a usage text (issue 45 item 6:
+`attnzoo-bench --help` crashed on a '%' in a subcommand's help string). The argparse scripts are called in
+process (their main(argv)); attnzoo-train / attnzoo-sweep parse with Hydra, whose --help runs in a subprocess."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from attnzoo.analysis.report.cli import main as report_main
+from attnzoo.bench.cli import main as bench_main, subcommands
+from attnzoo.cli.ckpt import main as ckpt_main
+from attnzoo.cli.data import main as data_main
+from attnzoo.cli.export import main as export_main
+from attnzoo.inference.generate import eval_main, generate_main
+from attnzoo.inference.lm_eval import main as lm_eval_main
+
+ARGPARSE = {
+    "attnzoo-bench": (bench_main, [[]] + [[name] for name in sorted(subcommands())]),
+    "attnzoo-ckpt": (ckpt_main, [[], ["consolidate"], ["info"]]),
+    "attnzoo-data": (data_main, [[], ["prepare"], ["info"]]),
+    "attnzoo-export": (export_main, [[]]),
+    "attnzoo-generate": (generate_main, [[]]),
+    "attnzoo-eval": (eval_main, [[]]),
+    "attnzoo-lm-eval": (lm_eval_main, [[]]),
+    "attnzoo-report": (report_main, [[]]),
+}
+
+
+@pytest.mark.parametrize("script", list(ARGPARSE))
+def test_help_of_every_argparse_script_and_subcommand(script, capsys):
+    main, commands = ARGPARSE[script]
+    for command in commands:
+        with pytest.raises(SystemExit) as e:
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0, (script, command)
+        assert out.startswith("usage: "), (script, command, out[:200])
+
+
+@pytest.mark.parametrize("script", ["train", "sweep"])
+def test_help_of_the_hydra_scripts(script):
+    r = subprocess.run([sys.executable, "-m", f"attnzoo.cli.{script}", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "attnzoo" in (r.stdout + r.stderr).lower() and r.stdout.strip(), r.stdout[:500]
