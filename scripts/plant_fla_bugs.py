@@ -43,7 +43,7 @@ BUGS = {
     "no-padding": ("odd value width not padded in fp16 (linear attention's ones column)",
                    'self.pad = {"k": self.K % 2, "v": self.V % 2} if dtype in _16BIT else {"k": 0, "v": 0}',
                    'self.pad = {"k": 0, "v": 0}',
-                   ["tests/interp/test_fla_models.py", "-k", "fp16 and linear_attention and not unnormalized"]),
+                   ["tests/interp/test_fla_models_fp16.py", "-k", "fp16 and linear_attention and not unnormalized"]),
     "initial-state": ("the initial state not passed to the gated delta rule",
                       "bs, scale=c.scale,\n                                          initial_state=c.h0,",
                       "bs, scale=c.scale,\n                                          initial_state=None,",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["test_fla_ops.py", "test_fla_models.py", "test_fla_cli.py"]
+PARTS = ["test_fla_ops.py", "test_fla_models.py", "test_fla_models_fp16.py", "test_fla_cli.py"]
 
 
 def triton_site() -> Path:
@@ -29,6 +29,7 @@ def test_triton_is_not_importable_here():
     assert importlib.util.find_spec("triton") is None, "triton is importable in the main test environment (DESIGN 6.7)"
 
 
+@pytest.mark.slow  # minutes of numpy per file: CI runs it, `pytest -m "not slow"` leaves it out
 @pytest.mark.parametrize("part", PARTS)
 def test_interpreter_tier(part):
     site = triton_site()

@@ -27,6 +27,7 @@ def test_cli_smoke_run_on_fla_equals_torch(make_cfg, tmp_path):
         out = tmp_path / name
         train(make_cfg("debug=smoke", "model/mixer=gated_deltanet", "model.n_layers=2", "model.n_heads=2",
                        "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+                       "data.seq_len=16", "data.batch_size=2",
                        "perf.decode_tokens=0", *extra,
                        output_dir=out))
         runs[name] = (metrics_losses(out), json.loads((out / "summary.json").read_text()))

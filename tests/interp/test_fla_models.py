@@ -21,7 +21,7 @@ from attnzoo.ops import dispatch, fla_kernels
 from tests.conftest import gap_atol
 
 FP16_FACTOR = 8.0
-VOCAB, T = 32, 40  # 40: across RWKV-7's 16-token chunks, below the others' 64
+VOCAB, T = 32, 24  # 24: across RWKV-7's 16-token chunks, below the others' 64 (the op tests cross those)
 
 MIXERS = {
     "linear_attention": {"name": "linear_attention"},  # normalize=true (the default): V = 16 + 1
@@ -71,16 +71,18 @@ def count_fla_calls(monkeypatch) -> list:
 
 
 def train_losses(model: DecoderLM, steps: int) -> list[float]:
-    """`steps` SGD steps on fixed batches: the loss before each step (the step's forward runs before its update)."""
+    """The losses of `steps` SGD steps on fixed batches, each taken before its update (the last step's backward
+    and update are left out: nothing reads them)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     out = []
-    for batch in batches(steps):
+    for i, batch in enumerate(batches(steps)):
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
         out.append(loss.detach().double())
+        if i < steps - 1:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     return out
 
 
@@ -97,54 +99,6 @@ def test_training_steps_fp32_equal_torch(case, monkeypatch):
     for step, (a, b, b32) in enumerate(zip(got, ref64, ref32)):
         tol = gap_atol(b32, b)
         assert abs(a - b).item() <= tol, f"{case} step {step}: loss {a.item():.9f} vs {b.item():.9f} (tol {tol:.3g})"
-
-
-def fwd_bwd(model: DecoderLM, batch: torch.Tensor, autocast_dtype=None) -> dict:
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(batch[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-    loss.backward()
-    return {"loss": loss.detach().double(), **{n: p.grad.double() for n, p in model.named_parameters()
-                                               if p.grad is not None}}
-
-
-@pytest.mark.parametrize("case", list(MIXERS))
-def test_fp16_forward_and_backward_equal_torch(case, monkeypatch):
-    """Under fp16 autocast the fla path (kernels in fp16) against the fp64 torch path: the loss and every
-    parameter's gradient within FP16_FACTOR x the torch path's own error under the same autocast (at least one
-    fp16 rounding of the tensor's size)."""
-    batch = batches(1)[0]
-    ref = fwd_bwd(build(case, "torch", torch.float64), batch)
-    base = fwd_bwd(build(case, "torch"), batch, torch.float16)
-    calls = count_fla_calls(monkeypatch)
-    got = fwd_bwd(build(case, "fla"), batch, torch.float16)
-    assert calls, "the fla path did not run"
-    assert set(got) == set(ref)
-    for name in ref:
-        size = ref[name].abs().max().item()
-        tol = FP16_FACTOR * max((base[name] - ref[name]).abs().max().item(), 2.0 ** -11 * size)
-        err = (got[name] - ref[name]).abs().max().item()
-        assert err <= tol, f"{case} {name}: off by {err:.3g} > {tol:.3g}"
-
-
-@pytest.mark.parametrize("case", [c for c in MIXERS if c != "deltanet"] + [HYBRID])
-def test_prefill_through_fla_then_decode_equals_the_full_forward(case, monkeypatch):
-    """A 30-token prefill (fla, fp32) into a cache, then 6 one-token steps, against the full forward on the torch
-    path in fp64 (tolerance: the torch path's fp32-vs-fp64 gap of the same logits)."""
-    idx = batches(1)[0][:, :36]
-    with torch.no_grad():
-        ref = build(case, "torch", torch.float64)(idx)
-        ref32 = build(case, "torch")(idx)
-        model = build(case, "fla")
-        calls = count_fla_calls(monkeypatch)
-        cache = model.new_cache(2, 36)
-        parts = [model(idx[:, :30], cache=cache)]
-        prefill_calls = len(calls)
-        parts += [model(idx[:, t:t + 1], cache=cache) for t in range(30, 36)]
-    assert prefill_calls >= 1 and len(calls) == prefill_calls, "prefill through fla, decode steps on torch"
-    got = torch.cat(parts, dim=1).double()
-    torch.testing.assert_close(got, ref, atol=gap_atol(ref32, ref), rtol=0)
 
 
 def test_explicit_fla_refuses_packing_and_context_parallel(make_cfg, tmp_path):
