@@ -7,15 +7,18 @@ so a load that ran it would otherwise succeed: every entry point must refuse in 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from attnzoo.config.errors import ConfigError
-from tests.conftest import compose_cfg
+from tests.conftest import SESSION_CACHE, compose_cfg
 
 
 class Payload:
@@ -35,12 +38,14 @@ def payload_pickle(marker: Path, real: bytes) -> bytes:
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
-    """A trainer=fsdp_cpu run (1 process) with its sharded checkpoints: checkpoints/last.ckpt -> a DCP folder."""
-    from attnzoo.training.run import train
-
+    """A trainer=fsdp_cpu run (1 process) with its sharded checkpoints: checkpoints/last.ckpt -> a DCP folder. In a
+    process of its own: Lightning's FSDP strategy sets LOCAL_RANK / RANK in the process it runs in, which would
+    make this test worker's later DDP runs think they were launched from outside."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    train(compose_cfg(["debug=smoke", "trainer=fsdp_cpu", "trainer.devices=1", "data.tokenizer=char",
-                       "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.decode_tokens=0"], out))
+    subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "debug=smoke", "trainer=fsdp_cpu", "trainer.devices=1",
+                    "data.tokenizer=char", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                    "perf.decode_tokens=0", f"paths.cache_dir={SESSION_CACHE}", f"hydra.run.dir={out}"], check=True, capture_output=True, timeout=300)
+    assert (out / "checkpoints" / "last.ckpt" / ".metadata").is_file()
     return out
 
 
@@ -126,6 +131,7 @@ def refused_in_one_line(call, capsys) -> str:
 
 @pytest.mark.parametrize("where", [".metadata", "meta.pt", ".distcp"])
 def test_a_payload_never_runs_in_any_entry_point(where, sharded_run, tmp_path, capsys):
+    env = dict(os.environ)
     run = copy_run(sharded_run, tmp_path / "run")
     marker = tmp_path / "marker"
     plant(run, where, marker)
@@ -136,6 +142,7 @@ def test_a_payload_never_runs_in_any_entry_point(where, sharded_run, tmp_path, c
         assert where in msg and "nothing in the checkpoint was loaded" in msg, (name, msg)
         names.append(name)
     assert len(names) == 10
+    assert dict(os.environ) == env  # no entry point left LOCAL_RANK / RANK behind for the tests after this one
 
 
 def test_the_unplanted_checkpoint_loads(sharded_run, tmp_path):
