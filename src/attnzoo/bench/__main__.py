@@ -1,3 +1,3 @@
-from attnzoo.bench.cli import main
+from attnzoo.cli.scripts import bench
 
-main()
+bench()
