@@ -148,3 +148,23 @@ def test_reference_switch_runs_another_computation(name):
     # equal up to fp32 rounding: FP32_FACTOR x the reference path's own fp32-vs-fp64 gap
     torch.testing.assert_close(fast, ref, atol=gap_atol(ref, ref64), rtol=0)
     assert not torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_forms_make_their_tensors_on_the_inputs_device(impl):
+    """Every mixer's fast and reference forms, run on CPU inputs with torch's default device set to `meta`: a
+    tensor made without `device=` (issue 51 item 10: NSA's reference form, a device mismatch on CUDA) lands on
+    meta and the forward fails. Caught here on a CPU, for every mixer at once."""
+    failures = {}
+    x = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(8))
+    for name in MIXERS.names():
+        m = build(name)
+        for mixer in m.mixers:
+            mixer.impl = impl
+        try:
+            with torch.no_grad(), torch.device("meta"):
+                out = m(x)
+            assert out.device.type == "cpu"
+        except Exception as e:  # noqa: BLE001 - collected, reported together
+            failures[name] = f"{type(e).__name__}: {str(e)[:160]}"
+    assert not failures, failures

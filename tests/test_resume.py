@@ -352,3 +352,20 @@ def test_the_training_loader_is_stateful_and_its_state_alone_resumes_mid_epoch(t
     assert sorted(lb) == sorted(la) == list(range(8))
     for s in la:
         assert lb[s] == pytest.approx(la[s], abs=1e-6), (s, la[s], lb[s])
+
+
+@pytest.mark.parametrize("saved_gpus, present", [(8, 1), (2, 4), (2, 0)])
+def test_cuda_generator_states_restored_onto_the_gpus_present(saved_gpus, present, monkeypatch):
+    """A run saved on 8 GPUs resumes on 1 (issue 51 item 8: set_rng_state_all raised IndexError): each saved
+    state goes to the GPU of its index while there is one; extra GPUs keep their state; no GPU: nothing."""
+    from attnzoo.training.lit_lm import rng_states, set_rng_states
+
+    states = rng_states()
+    states["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved_gpus)]
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: present > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: present)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.__setitem__(device, int(state[0])))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda _: pytest.fail("restores every saved state"))
+    set_rng_states(states)
+    assert restored == {i: i for i in range(min(saved_gpus, present))}

@@ -53,10 +53,9 @@ def main() -> None:
 
 def _run_job(cfg: DictConfig) -> float | None:
     """One Hydra job: train(cfg), with the CLI's refusals and the multirun rules above."""
-    # imported here, not at the top: Lightning's import (~5 s) comes after the command line's own checks, so a
-    # refused group option or key is reported in about a second
-    from attnzoo.training.console import is_new_run_dir, remove_new_run_dir
-    from attnzoo.training.run import train
+    # Lightning's import (~6 s on a 2-core machine) comes after the command line's own checks and the config's
+    # (preflight: torch only), so a refused option, key or value is reported before it
+    from attnzoo.training.rundir import is_new_run_dir, remove_new_run_dir
 
     try:
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -81,6 +80,11 @@ def _run_job(cfg: DictConfig) -> float | None:
         save_hydra_record(cfg, out)
         on_accept = None
     try:
+        from attnzoo.training.config_checks import preflight
+
+        preflight(cfg)
+        from attnzoo.training.run import train
+
         metrics = train(cfg, on_accept=on_accept)
         if launched_externally():  # torchrun / srun ranks: leave the process group together (cli/worker.py)
             close_process_group()

@@ -7,6 +7,7 @@ or a table of dense (not 2:4-sparse) datasheet figures on GPU; `perf.peak_flops`
 """
 from __future__ import annotations
 
+import re
 import time
 from functools import lru_cache
 
@@ -14,16 +15,31 @@ import torch
 
 # Dense tensor-core peaks (FLOP/s) from vendor datasheets, without 2:4 sparsity. fp32 = tf32 tensor cores
 # where the framework uses them (torch's default matmul precision is "highest" = no tf32, so fp32 entries
-# are the non-tensor-core FP32 rate).
+# are the non-tensor-core FP32 rate). Each row is matched by the whole of `torch.cuda.get_device_name()` (a
+# regular expression over the names the driver reports): a substring match took "NVIDIA L40" for the L4 and
+# gave an H100 PCIe the SXM's peak. An unlisted name (A10G, RTX A6000, ...) gets its matmul peak measured.
 GPU_PEAKS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+    "H200": (r"NVIDIA H200( 141GB HBM3e)?", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM
+    "H200 NVL": (r"NVIDIA H200 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    "H100 SXM": (r"NVIDIA H100( 80GB HBM3| SXM5 80GB)?", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    "H100 PCIe": (r"NVIDIA H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    "H100 NVL": (r"NVIDIA H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    "A100": (r"NVIDIA A100(-SXM4-40GB|-SXM4-80GB|-PCIE-40GB| 80GB PCIe|-SXM-80GB)?",
+             {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    "L40S": (r"NVIDIA L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    "L40": (r"NVIDIA L40", {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}),
+    "L4": (r"NVIDIA L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    "A10": (r"NVIDIA A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    "RTX 4090": (r"NVIDIA GeForce RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
 }
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(dense peak FLOP/s, 'datasheet:<row>') for a `torch.cuda.get_device_name()` string, or None if unlisted."""
+    for key, (pattern, table) in GPU_PEAKS.items():
+        if re.fullmatch(pattern, device_name.strip()):
+            return table[_dtype_key(dtype)], f"datasheet:{key}"
+    return None
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -64,10 +80,9 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float |
         return float(override), "perf.peak_flops"
     device = torch.device(device)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, table in GPU_PEAKS.items():
-            if key in name:
-                return table[_dtype_key(dtype)], f"datasheet:{key}"
+        found = datasheet_peak(torch.cuda.get_device_name(device), dtype)
+        if found is not None:
+            return found
         return measure_matmul_peak(dtype, str(device), n=4096), "measured-matmul"
     return measure_matmul_peak(dtype, "cpu"), "measured-matmul"
 

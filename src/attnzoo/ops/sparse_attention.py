@@ -241,11 +241,11 @@ def _nsa_reference(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, q_start, block
             n_vis = (t + 1) // block_size  # blocks c with c*BS + BS - 1 <= t
             blk = t // block_size
             n_blocks = blk + 1
-            probs = torch.zeros(H, n_blocks, dtype=q.dtype)
+            probs = torch.zeros(H, n_blocks, dtype=q.dtype, device=q.device)
             for h in range(H):
                 g = h // G
                 qi = q[b, h, i]
-                o_cmp = torch.zeros(D, dtype=q.dtype)
+                o_cmp = torch.zeros(D, dtype=q.dtype, device=q.device)
                 if n_vis:
                     w = torch.softmax((k_cmp[b, g, :n_vis] @ qi) * scale, dim=0)
                     probs[h, :n_vis] = w

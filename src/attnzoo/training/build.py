@@ -12,49 +12,13 @@ from attnzoo.config.stops import Spent, run_length, tokens_per_step
 from attnzoo.data import build_datamodule
 from attnzoo.interop.hf import init_weights_from
 from attnzoo.models.flops import train_flops_per_token
-from attnzoo.ops.dispatch import check_request, precision_compute_dtype
+from attnzoo.ops.dispatch import precision_compute_dtype
 from attnzoo.training.budget import apply_budget
+# the kernel checks live with the config checks (no Lightning there: the CLI refuses before its import)
+from attnzoo.training.config_checks import check_kernels_present, fla_kernels_of, run_device_type  # noqa: F401
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 from attnzoo.training.launch import requested_devices
-
-
-def run_device_type(trainer_cfg) -> str:
-    """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
-    acc = str(trainer_cfg.accelerator)
-    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def fla_kernels_of(model_cfg) -> tuple:
-    """The fla functions the model's layers call (each mixer class's `fla_kernel`; ops/dispatch.py FLA_KERNELS)."""
-    from attnzoo.config.registry import MIXERS
-    from attnzoo.config.schema import layer_mixer_configs
-
-    try:
-        names = {getattr(c, "name", None) for c in layer_mixer_configs(model_cfg)}
-    except (AttributeError, TypeError):  # a family without decoder layers (vision, encoder-decoder presets)
-        return ()
-    return tuple(MIXERS.get(n).cls.fla_kernel for n in sorted(n for n in names if n in MIXERS.names()))
-
-
-def check_kernels_present(parts: dict) -> None:
-    """An explicit model.impl=fla|flex that cannot run on the run's device at its precision (or a layer whose fla
-    kernel fla refuses on this device: ops/dispatch.py fla_gates), and an explicit fla with packed documents or
-    context parallelism (those calls run the torch chunk form: fla's kernels are not given the document resets or
-    the shards' states): one line, before any work."""
-    model_cfg, run, data = parts["model"], parts["run"], parts["data"]
-    impl = getattr(model_cfg, "impl", "auto")
-    check_request(impl, run_device_type(run.trainer), precision_compute_dtype(run.trainer.precision),
-                  fla_kernels_of(model_cfg))
-    if impl != "fla":
-        return
-    for key in ("packing", "pad_documents"):
-        if getattr(data, key, False):
-            raise ConfigError(f"fla is not given packed documents' resets (data.{key}=true runs the torch chunk "
-                              f"form); allowed: model.impl=auto or torch with data.{key}=true", field="model.impl")
-    if run.trainer.context_parallel > 1:
-        raise ConfigError("fla is not given the shards' states of context parallelism (trainer.context_parallel > 1 "
-                          "runs the torch chunk form); allowed: model.impl=auto or torch with it", field="model.impl")
 
 
 def resolve_ckpt(ckpt_path: str | None, out: Path) -> tuple[str | None, dict | None]:

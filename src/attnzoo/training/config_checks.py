@@ -9,6 +9,7 @@ import math
 import shutil
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
@@ -19,6 +20,7 @@ from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
+from attnzoo.ops.dispatch import check_request, precision_compute_dtype
 
 
 def _check_trainer(t: TrainerConfig) -> None:
@@ -340,3 +342,59 @@ def validate(cfg: DictConfig) -> dict:
     for name in (logger_node or {}):
         check_choice(name, f"logger.{name}", ("csv", "tensorboard", "wandb"))
     return {"run": run, "model": model, "data": data, "logger": logger_node or {}, "callbacks": callbacks_node or {}}
+
+
+# ----------------------------------------------------------------------- kernels, and the checks before Lightning
+
+def run_device_type(trainer_cfg) -> str:
+    """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
+    acc = str(trainer_cfg.accelerator)
+    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def fla_kernels_of(model_cfg) -> tuple:
+    """The fla functions the model's layers call (each mixer class's `fla_kernel`; ops/dispatch.py FLA_KERNELS)."""
+    from attnzoo.config.registry import MIXERS
+    from attnzoo.config.schema import layer_mixer_configs
+
+    try:
+        names = {getattr(c, "name", None) for c in layer_mixer_configs(model_cfg)}
+    except (AttributeError, TypeError):  # a family without decoder layers (vision, encoder-decoder presets)
+        return ()
+    return tuple(MIXERS.get(n).cls.fla_kernel for n in sorted(n for n in names if n in MIXERS.names()))
+
+
+def check_kernels_present(parts: dict) -> None:
+    """An explicit model.impl=fla|flex that cannot run on the run's device at its precision (or a layer whose fla
+    kernel fla refuses on this device: ops/dispatch.py fla_gates), and an explicit fla with packed documents or
+    context parallelism (those calls run the torch chunk form: fla's kernels are not given the document resets or
+    the shards' states): one line, before any work."""
+    model_cfg, run, data = parts["model"], parts["run"], parts["data"]
+    impl = getattr(model_cfg, "impl", "auto")
+    check_request(impl, run_device_type(run.trainer), precision_compute_dtype(run.trainer.precision),
+                  fla_kernels_of(model_cfg))
+    if impl != "fla":
+        return
+    for key in ("packing", "pad_documents"):
+        if getattr(data, key, False):
+            raise ConfigError(f"fla is not given packed documents' resets (data.{key}=true runs the torch chunk "
+                              f"form); allowed: model.impl=auto or torch with data.{key}=true", field="model.impl")
+    if run.trainer.context_parallel > 1:
+        raise ConfigError("fla is not given the shards' states of context parallelism (trainer.context_parallel > 1 "
+                          "runs the torch chunk form); allowed: model.impl=auto or torch with it", field="model.impl")
+
+
+def preflight(cfg: DictConfig) -> None:
+    """The refusals of `train()` that need neither Lightning nor the data (the config, the devices, the launcher,
+    the kernels), made by `attnzoo-train` before it imports Lightning, so that a refused value is reported in
+    the time it takes to import torch rather than Lightning (issue 45). `train()` makes the same checks again.
+    A config that `model.init_from` or `experiment=linearize` rewrites is left to `train()`, which applies them
+    first."""
+    from attnzoo.training.launch import check_launchable
+
+    if OmegaConf.select(cfg, "model.init_from") or OmegaConf.select(cfg, "linearize") is not None:
+        return
+    parts = validate(cfg)
+    check_devices_present(parts["run"].trainer)
+    check_launchable(parts["run"].trainer)
+    check_kernels_present(parts)

@@ -209,26 +209,5 @@ def _stream_handlers(streams) -> list[logging.StreamHandler]:
             if type(h) is logging.StreamHandler and any(h.stream is s for s in streams)]
 
 
-# ------------------------------------------------------------------------------------------ refused runs
-
-def is_new_run_dir(out: Path) -> bool:
-    """Whether `out` was just created for this run: missing, or holding only Hydra's empty job log."""
-    out = Path(out)
-    if not out.is_dir():
-        return not out.exists()
-    return all(p.name == "train.log" and p.is_file() and p.stat().st_size == 0 for p in out.iterdir())
-
-
-def remove_new_run_dir(out: Path) -> None:
-    """A run refused before any work in a dir created for it (`is_new_run_dir` before it started): nothing of
-    it is left, not the dir (outputs/<task>/<time>) and not the parents it leaves empty up to the working
-    directory."""
-    import shutil
-
-    out = Path(out)
-    if out.is_dir():
-        shutil.rmtree(out)
-    cwd, parent = Path.cwd().resolve(), out.resolve().parent
-    while parent != cwd and cwd in parent.parents and parent.is_dir() and not any(parent.iterdir()):
-        parent.rmdir()
-        parent = parent.parent
+# refused runs: is_new_run_dir / remove_new_run_dir live in rundir.py (no Lightning: the CLI uses them first)
+from attnzoo.training.rundir import is_new_run_dir, remove_new_run_dir  # noqa: E402,F401

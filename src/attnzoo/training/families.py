@@ -29,10 +29,9 @@ from attnzoo.models.encoder_decoder import split_config as split_encdec_config
 from attnzoo.models.vision import ImageClassifier, VisionLanguageModel
 from attnzoo.models.vision.options import image_tokens
 from attnzoo.models.vision.options import split_config as split_vision_config
-from attnzoo.training.linearize import LitLinearize
-from attnzoo.training.lit_lm import LitLM
-from attnzoo.training.lit_seq2seq import LitMLM, LitSeq2Seq
-from attnzoo.training.lit_vision import LitImageClassifier, LitVLM
+
+# The LightningModules are imported by the build_lit functions, when a run is built: validate() goes through
+# this module, and a refused config is reported before Lightning's import (issue 45).
 
 SEQ2SEQ_DATA = ("reversal", "sorting", "addition")  # (src, tgt) batches: data/seq2seq.py
 
@@ -107,6 +106,8 @@ def _decoder_model(model_cfg, vocab_size):
 
 
 def _decoder_lit(container, model_cfg, dm):
+    from attnzoo.training.lit_lm import LitLM
+
     return LitLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
@@ -115,6 +116,8 @@ def _encdec_model(model_cfg, vocab_size):
 
 
 def _encdec_lit(container, model_cfg, dm):
+    from attnzoo.training.lit_seq2seq import LitSeq2Seq
+
     return LitSeq2Seq(container, vocab_size=dm.vocab_size, pad_id=getattr(dm, "pad_id", 0),
                       bos_id=getattr(dm, "bos_id", 1), eos_id=getattr(dm, "eos_id", 2), model_cfg=model_cfg)
 
@@ -124,6 +127,8 @@ def _encoder_model(model_cfg, vocab_size):
 
 
 def _encoder_lit(container, model_cfg, dm):
+    from attnzoo.training.lit_seq2seq import LitMLM
+
     return LitMLM(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
@@ -133,6 +138,8 @@ register_family(Family(
     metrics=_lm_metrics, decoder_only=True,
 ))
 def _linearize_lit(container, model_cfg, dm):
+    from attnzoo.training.linearize import LitLinearize
+
     return LitLinearize(container, vocab_size=dm.vocab_size, model_cfg=model_cfg)
 
 
@@ -173,6 +180,8 @@ def _vision_model(model_cfg, vocab_size):
 
 
 def _vision_lit(container, model_cfg, dm):
+    from attnzoo.training.lit_vision import LitImageClassifier
+
     return LitImageClassifier(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
                               model_cfg=model_cfg)
 
@@ -182,6 +191,8 @@ def _vlm_model(model_cfg, vocab_size):
 
 
 def _vlm_lit(container, model_cfg, dm):
+    from attnzoo.training.lit_vision import LitVLM
+
     return LitVLM(container, vocab_size=dm.vocab_size, image_size=dm.image_size, channels=dm.channels,
                   model_cfg=model_cfg)
 

@@ -55,7 +55,10 @@ def set_rng_states(states: dict) -> None:
     np.random.set_state(("MT19937", nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached"]))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # saved: one state per GPU the saving process saw; restored onto the GPUs this one sees (a run saved on 8
+        # resumes on 1: the first state goes to cuda:0, the rest are left; GPUs beyond the saved keep their seed)
+        for index, state in enumerate(states["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
 
 
 def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):

@@ -88,3 +88,28 @@ def run_dir_lock(out: Path):
         owner = _owner(path)
         if owner and owner[:2] == (os.getpid(), socket.gethostname()):
             path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ refused runs
+
+def is_new_run_dir(out: Path) -> bool:
+    """Whether `out` was just created for this run: missing, or holding only Hydra's empty job log."""
+    out = Path(out)
+    if not out.is_dir():
+        return not out.exists()
+    return all(p.name == "train.log" and p.is_file() and p.stat().st_size == 0 for p in out.iterdir())
+
+
+def remove_new_run_dir(out: Path) -> None:
+    """A run refused before any work in a dir created for it (`is_new_run_dir` before it started): nothing of
+    it is left, not the dir (outputs/<task>/<time>) and not the parents it leaves empty up to the working
+    directory."""
+    import shutil
+
+    out = Path(out)
+    if out.is_dir():
+        shutil.rmtree(out)
+    cwd, parent = Path.cwd().resolve(), out.resolve().parent
+    while parent != cwd and cwd in parent.parents and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
