@@ -29,7 +29,7 @@ from attnzoo.ops.attention import alibi_bias, alibi_slopes, attention_mask, atte
 from attnzoo.layers.norm import RMSNorm
 from attnzoo.distributed import context_parallel as parallel
 from attnzoo.ops.sliding_window import sliding_window_sdpa
-from attnzoo.ops.dispatch import mixer_kernel
+from attnzoo.ops.dispatch import FLEX_MIN_HEAD_DIM, mixer_kernel
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache, StaticKVCache, with_chunk
@@ -404,8 +404,8 @@ class SlidingWindowAttention(Attention):
         return self.sink_attention(q, k, v, 0, 0) if self.sinks else super().attend_alone(q, k, v)
 
     def dispatch_family(self) -> str:
-        # sinks run their own masked forward; flex has no dropout
-        return "other" if self.sinks or self.dropout else self.kernel_family
+        # sinks run their own masked forward; flex has no dropout, and Inductor compiles it for head sizes >= 16 only
+        return "other" if self.sinks or self.dropout or self.head_dim < FLEX_MIN_HEAD_DIM else self.kernel_family
 
     @classmethod
     def check_seq_len(cls, cfg: SlidingWindowConfig, seq_len: int, field: str) -> None:

@@ -55,6 +55,8 @@ FAMILY_NAMES = ("softmax", "window", "block_sparse", "linear", "latent", "other"
 
 FLA_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Inductor's flex_attention: "NYI: embedding dimension of the query, key, and value must be at least 16"
+FLEX_MIN_HEAD_DIM = 16
 FLA_MAX_KEY_DIM = 256  # fla's chunk kernels: "current kernel does not support head dimension larger than 256"
 _16BIT_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
