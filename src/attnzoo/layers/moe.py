@@ -30,6 +30,7 @@ from attnzoo.layers import aux_loss as hooks
 from attnzoo.config.errors import check, check_choice
 from attnzoo.layers.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig, hidden_size
 from attnzoo.config.registry import register_ffn
+from attnzoo.ops.dispatch import autocast_off
 
 
 @dataclass
@@ -135,7 +136,7 @@ def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert matmuls run in: autocast's, if on (private ops are not autocast)."""
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
@@ -206,7 +207,7 @@ class MoE(nn.Module):
         """x (N, d) -> logits (N, E) fp32, probs (N, E) (the affinity distribution the aux loss uses),
         idx (N, K) chosen experts, weights (N, K) fp32 combine weights."""
         cfg, E, K = self.cfg, self.n_experts, self.top_k
-        with torch.autocast(x.device.type, enabled=False):  # route in fp32 even under bf16 autocast
+        with autocast_off(x.device.type):  # route in fp32 even under bf16 autocast
             logits = F.linear(x.float(), self.router.weight.float())
         if cfg.scoring == "softmax":
             scores = probs = logits.softmax(dim=-1)

@@ -60,6 +60,9 @@ class RetNet(GatedLinearMixer):
     def __init__(self, cfg: RetNetConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.log_gammas = retention_log_decays(self.n_qk_heads)
+        # the decays as tensors, one per (dtype, device), each rounded once from the Python floats (a buffer would
+        # be rounded twice under .float() + autocast); not in the state dict
+        self._decays: dict = {}
         self.rope = rotary_from_config(model_cfg.position, self.qk_dim, model_cfg.max_seq_len)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
@@ -71,5 +74,7 @@ class RetNet(GatedLinearMixer):
 
     def log_decay(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         B, T, H, _ = q.shape
-        g = torch.tensor(self.log_gammas, dtype=q.dtype, device=q.device)
+        g = self._decays.get((q.dtype, q.device))
+        if g is None:  # made once per dtype and device, not in every forward (a host-to-device copy on GPU)
+            g = self._decays[(q.dtype, q.device)] = torch.tensor(self.log_gammas, dtype=q.dtype, device=q.device)
         return g[None, :, None, None].expand(B, H, T, 1)

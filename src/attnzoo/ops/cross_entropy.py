@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from attnzoo.ops.dispatch import autocast_off
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -100,7 +101,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     h = hidden.reshape(-1, d)
     m = None if mask is None else mask.reshape(-1)
     dtype = compute_dtype(hidden)
-    with torch.autocast(hidden.device.type, enabled=False):  # the op casts explicitly
+    with autocast_off(hidden.device.type):  # the op casts explicitly
         return _ChunkedCrossEntropy.apply(h, weight, targets.reshape(-1), m, int(chunk_tokens), dtype, ignore_index,
                                           want_grad)
 

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from attnzoo.ops.dispatch import autocast_off
 
 
 class _UnitLowerSolve(torch.autograd.Function):
@@ -59,7 +60,7 @@ def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     low = (torch.float16, torch.bfloat16)
     if torch.is_autocast_enabled(A.device.type) or A.dtype in low or rhs.dtype in low:
         dtype = torch.promote_types(torch.promote_types(A.dtype, rhs.dtype), torch.float32)
-        with torch.autocast(A.device.type, enabled=False):
+        with autocast_off(A.device.type):
             return solve_unit_lower(A.to(dtype), rhs.to(dtype))
     if torch.is_grad_enabled() and (A.requires_grad or rhs.requires_grad):
         return _UnitLowerSolve.apply(A, rhs)

@@ -188,10 +188,20 @@ def family_of(mixer: Any) -> str:
     return mixer.dispatch_family()
 
 
+def autocast_off(device_type: str):
+    """A region computed in the tensors' own dtypes whatever autocast says outside it; nothing to turn off on a
+    device without autocast (`meta`, where tests/test_host_sync.py runs the training step)."""
+    import contextlib
+
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the call computes in: autocast's when it is on for x's device, else x's own."""
     dt = x.device.type
-    if torch.is_autocast_enabled(dt):
+    if torch.amp.is_autocast_available(dt) and torch.is_autocast_enabled(dt):
         return torch.get_autocast_dtype(dt)
     return x.dtype
 

@@ -151,11 +151,16 @@ class PreemptionCheckpoint(L.Callback):
     arrived, which need not be the same batch. So during training the handler here only notes the signal,
     and at the end of every batch the ranks agree (one all-reduce of a 1-element flag: any rank signalled)
     before Lightning's flag is set on all of them at once; Lightning then raises SIGTERMException after that
-    same batch everywhere."""
+    same batch everywhere.
+
+    Without a host sync in the step: the agreed flag of one batch is read at the end of the next (copied to
+    the host behind the batch's kernels, with an event; by then the copy is long done), so every rank stops one
+    batch after the signal, the same batch everywhere, and the GPU queue is never drained to read it."""
 
     def __init__(self, path):
         self.path = str(path)
         self._signalled = False
+        self._agreed = None  # (device flag, host copy, copy event) of the previous batch
 
     def on_train_start(self, trainer, pl_module) -> None:
         import signal
@@ -163,6 +168,7 @@ class PreemptionCheckpoint(L.Callback):
 
         # Lightning registered its handler when the run started (trainer._run); replace it for the training
         # loop (its teardown restores the handler the process had before fit)
+        self._agreed = None
         if threading.current_thread() is threading.main_thread():
             self._signalled = False
             signal.signal(signal.SIGTERM, self._note)
@@ -171,13 +177,28 @@ class PreemptionCheckpoint(L.Callback):
         self._signalled = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        flag = self._signalled
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
-            t = torch.tensor([1 if flag else 0], device=trainer.strategy.root_device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flag = bool(t.item())
-        if flag:
-            trainer._signal_connector.received_sigterm = True
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1):
+            if self._signalled:
+                trainer._signal_connector.received_sigterm = True
+            return
+        if self._agreed is None:
+            device = trainer.strategy.root_device
+            cuda = device.type == "cuda"
+            self._agreed = (torch.zeros(1, dtype=torch.int32, device=device),
+                            torch.zeros(1, dtype=torch.int32, pin_memory=cuda), torch.cuda.Event() if cuda else None)
+        else:  # the previous batch's agreement, on the host since that batch: no wait here
+            flag, host, event = self._agreed
+            if event is not None:
+                event.synchronize()
+            if host.item():
+                trainer._signal_connector.received_sigterm = True
+                return
+        flag, host, event = self._agreed
+        flag.fill_(1 if self._signalled else 0)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        host.copy_(flag, non_blocking=event is not None)
+        if event is not None:
+            event.record()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
