@@ -36,6 +36,7 @@ def test_train_loss_falls_and_writes_summary(tmp_path):
     assert metrics["cache/bytes_per_token"] == 2 * 2 * 2 * 8 * 4
     assert metrics["cache/bytes_at_ctx"] == 32 * metrics["cache/bytes_per_token"]
     assert 0 < metrics["perf/mfu"] < 1
+    assert (summary["compute_dtype"], summary["compute_dtype_source"]) == ("float32", "trainer.precision")
     # training = forward + backward = 3 x the forward FLOPs (tests/test_flops_exact.py counts the 3x), and MFU is
     # computed from exactly that figure and the overridden peak
     import attnzoo

@@ -320,6 +320,24 @@ def precision_compute_dtype(precision: str) -> torch.dtype:
     return torch.float32
 
 
+FSDP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def run_compute_dtype(trainer_cfg) -> tuple[torch.dtype, str]:
+    """(the dtype a run's matmuls compute in, where it comes from): the one source for the MFU peak, the
+    per-layer kernels (`model.kernels`), the kernel checks and summary.json's `compute_dtype`. Autocast's
+    dtype for a mixed precision; else, under FSDP, `trainer.fsdp.param_dtype` (the dtype the weights are
+    gathered and computed in, while `trainer.precision` keeps the fp32 master copy); else the parameters'."""
+    precision = str(trainer_cfg.precision)
+    if "mixed" in precision:
+        return precision_compute_dtype(precision), "trainer.precision"
+    fsdp = getattr(trainer_cfg, "fsdp", None)
+    param_dtype = getattr(fsdp, "param_dtype", None) if str(getattr(trainer_cfg, "strategy", "")) == "fsdp" else None
+    if param_dtype:
+        return FSDP_DTYPES[str(param_dtype)], "trainer.fsdp.param_dtype"
+    return precision_compute_dtype(precision), "trainer.precision"
+
+
 def check_request(requested: str, device_type: str, dtype: torch.dtype = torch.float32,
                   fla_kernels: tuple = ()) -> None:
     """At the start of a run: an explicit fla / flex that cannot run on the run's device (computing in `dtype`),

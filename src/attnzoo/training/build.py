@@ -12,7 +12,6 @@ from attnzoo.config.stops import Spent, run_length, tokens_per_step
 from attnzoo.data import build_datamodule
 from attnzoo.interop.hf import init_weights_from
 from attnzoo.models.flops import train_flops_per_token
-from attnzoo.ops.dispatch import precision_compute_dtype
 from attnzoo.training.budget import apply_budget
 # the kernel checks live with the config checks (no Lightning there: the CLI refuses before its import)
 from attnzoo.training.config_checks import check_kernels_present, fla_kernels_of, run_device_type  # noqa: F401

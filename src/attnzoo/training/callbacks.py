@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from attnzoo.models.flops import peak_flops, precision_dtype, train_flops_per_token
+from attnzoo.models.flops import peak_flops, train_flops_per_token
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -29,9 +29,10 @@ class ThroughputMonitor(L.Callback):
     accumulation does not inflate the rate. No host sync is added to the step.
     """
 
-    def __init__(self, context_len: int, precision: str, peak_override: float | None = None, window: int = 10):
+    def __init__(self, context_len: int, compute_dtype: torch.dtype, peak_override: float | None = None,
+                 window: int = 10):
         self.context_len = context_len
-        self.precision = precision
+        self.compute_dtype = compute_dtype  # the peak is this dtype's (ops/dispatch.run_compute_dtype)
         self.peak_override = peak_override
         self.window = window
         self.peak = None
@@ -54,7 +55,7 @@ class ThroughputMonitor(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         model = pl_module.model
         self.flops_per_token = train_flops_per_token(model, self.context_len)
-        self.peak, self.peak_source = peak_flops(pl_module.device, precision_dtype(self.precision), self.peak_override)
+        self.peak, self.peak_source = peak_flops(pl_module.device, self.compute_dtype, self.peak_override)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._t0 is None:

@@ -20,7 +20,7 @@ from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
-from attnzoo.ops.dispatch import check_request, precision_compute_dtype
+from attnzoo.ops.dispatch import check_request, run_compute_dtype
 
 
 def _check_trainer(t: TrainerConfig) -> None:
@@ -371,7 +371,7 @@ def check_kernels_present(parts: dict) -> None:
     the shards' states): one line, before any work."""
     model_cfg, run, data = parts["model"], parts["run"], parts["data"]
     impl = getattr(model_cfg, "impl", "auto")
-    check_request(impl, run_device_type(run.trainer), precision_compute_dtype(run.trainer.precision),
+    check_request(impl, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0],
                   fla_kernels_of(model_cfg))
     if impl != "fla":
         return

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf import apply_init_from, check_init_vocab
-from attnzoo.ops.dispatch import gate_notices, precision_compute_dtype
+from attnzoo.ops.dispatch import gate_notices, run_compute_dtype
 from attnzoo.training.build import (build_module, check_kernels_present, prepare_data, resolve_ckpt, resolve_run_length,
                                     run_device_type)
 from attnzoo.training.checkpoint_io import check_resume_compatible, flatten
@@ -95,7 +95,7 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
         return _train_in_workers(container, out, n_workers)
     family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
     if is_rank_zero():  # fla refuses a kernel on this device (ops/dispatch.py fla_gates): auto runs torch, and says so
-        for line in gate_notices(lit.model, run_device_type(run.trainer), precision_compute_dtype(run.trainer.precision)):
+        for line in gate_notices(lit.model, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0]):
             print(line, flush=True)
     parts["length"] = resolve_run_length(run, parts["data"], lit, family, container, ckpt)
     if on_accept is not None:

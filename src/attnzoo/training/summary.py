@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from attnzoo.mixers.kv_quant import coverage
-from attnzoo.ops.dispatch import model_kernels, precision_compute_dtype
+from attnzoo.ops.dispatch import model_kernels, run_compute_dtype
 from attnzoo.training.checkpoint_io import flatten
 from attnzoo.training.csv_logger import RunTensorBoardLogger, run_hparams
 from attnzoo.training.measure import inference_kv
@@ -67,8 +67,8 @@ def describe_model(model) -> str:
 
 
 def kernels_of(model, trainer_cfg, device: torch.device) -> list[str]:
-    """Per layer, the kernel its training call ran (ops/dispatch.py) on `device` at the run's precision."""
-    return model_kernels(model, device.type, precision_compute_dtype(trainer_cfg.precision))
+    """Per layer, the kernel its training call ran (ops/dispatch.py) on `device` in the run's compute dtype."""
+    return model_kernels(model, device.type, run_compute_dtype(trainer_cfg)[0])
 
 
 def kv_quant_section(run, model, seq_len: int) -> dict:
@@ -152,6 +152,9 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
         "context_len": data_cfg.seq_len,
         "peak_flops": throughput.peak or 0.0,
         "peak_source": throughput.peak_source,
+        # the dtype the MFU peak and the kernels are for, and where it comes from (ops/dispatch.run_compute_dtype)
+        "compute_dtype": str(run_compute_dtype(run.trainer)[0]).removeprefix("torch."),
+        "compute_dtype_source": run_compute_dtype(run.trainer)[1],
         "model": {"describe": describe_model(model), "mixers": [m.name for m in model.layer_mixers],
                   "d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
                   "n_kv_heads": kv_heads_of(model), "ffn": model.cfg.ffn.name, "vocab_size": model.cfg.vocab_size,

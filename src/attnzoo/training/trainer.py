@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from attnzoo.data.sampling import DataPositionCallback
 from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
+from attnzoo.ops.dispatch import run_compute_dtype
 from attnzoo.training.build import run_device_type
 from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 from attnzoo.training.console import RunHeader, RunProgressBar, quiet_lightning
@@ -87,7 +88,7 @@ def build_trainer(parts: dict, out: Path, loggers: list):
     run, data_cfg = parts["run"], parts["data"]
     cb_cfg = dict(parts["callbacks"] or {})
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
-    throughput = ThroughputMonitor(data_cfg.seq_len, run.trainer.precision, run.perf.peak_flops)
+    throughput = ThroughputMonitor(data_cfg.seq_len, run_compute_dtype(run.trainer)[0], run.perf.peak_flops)
     csv_loggers = [lg for lg in loggers if isinstance(lg, ResumableCSVLogger)]
     callbacks = [
         DataPositionCallback(),  # first: the data position must be current when checkpoints are written
