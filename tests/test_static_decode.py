@@ -355,3 +355,18 @@ def test_bad_input_refused_before_work(prompts, new, kw, field):
     with pytest.raises(ConfigError) as e:
         dec.generate(prompts, new, **kw)
     assert e.value.field == field
+
+
+def test_learned_positions_and_a_routed_ffn_compile_to_one_graph():
+    """gpt2's learned positions (no int(max) read: torch._assert_async) and MoE (a compiled decode step takes the
+    experts' gathered weights, no split sizes read on the host) in one model: one graph (fullgraph), the same
+    greedy tokens as the eager static decode (issue 51 item 2: both decoded eagerly before)."""
+    torch.manual_seed(0)
+    m = DecoderLM(tiny_model_cfg({"name": "gqa"}, position={"name": "learned"}, max_seq_len=48,
+                                 ffn={"name": "moe", "n_experts": 4, "top_k": 2}), vocab_size=V).eval()
+    backend, graphs = counting_backend()
+    dec = Decoder(m, batch=2, max_len=40, backend=backend)
+    assert dec.path.startswith("compiled static cache") and dec.compiled
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    assert dec.generate(prompts, 10).tokens == Decoder(m, 2, 40, compile=False).generate(prompts, 10).tokens
+    assert len(graphs) == 1

@@ -284,6 +284,14 @@ class MoE(nn.Module):
     def experts_sorted(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Dropless: xs (NK, d) sorted by expert, counts (E,) -> each row through its own expert (NK, d)."""
         w_up, w_down = self.w_up.to(xs.dtype), self.w_down.to(xs.dtype)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # a compiled decode step (models/decoding.py): no split sizes read on the host and no eager probe; each
+            # row through its own expert's gathered weights (a decode step has a few rows: the gathered weights are
+            # what a grouped matmul would read)
+            ids = torch.repeat_interleave(torch.arange(self.n_experts, device=xs.device), counts,
+                                          output_size=xs.shape[0])
+            h = torch.bmm(xs.unsqueeze(1), w_up.index_select(0, ids)).squeeze(1)
+            return torch.bmm(self._act(h).unsqueeze(1), w_down.index_select(0, ids)).squeeze(1)
         if self._use_grouped_mm(xs):
             offs = counts.cumsum(0).to(torch.int32)  # group ends; no host sync
             h = torch._grouped_mm(xs, w_up, offs=offs)
