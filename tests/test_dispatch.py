@@ -467,3 +467,33 @@ def test_gpu_check_statuses_and_failure_exit(tmp_path, monkeypatch):
     status = {r["case"]: r["status"] for r in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
     assert status == {"ok": "ok", "ok-by-baseline": "ok", "too-far": "FAIL", "not-run": "FAIL (fast kernel did not run)",
                       "raises": "error: RuntimeError: no kernel image", "skipped": "skip (no fla)"}
+
+
+def test_compiled_flex_serves_every_length_with_two_graphs_and_masks_are_not_inference_tensors(quiet_flex):
+    """ops/flex.py (issue 51 item 6): ten lengths through the compiled flex_attention (a counting backend on CPU,
+    forward only) compile 2 graphs (the first length, then symbolic lengths), not one per length up to Dynamo's
+    recompile limit; a mask first built under inference mode (validation) is made of ordinary tensors, so the
+    training step that reuses it from the cache can save it for backward."""
+    from attnzoo.ops import flex
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = flex._compiled_flex(counting)
+    try:
+        for T in (16, 24, 32, 40, 48, 56, 64, 72, 80, 96):
+            q = torch.randn(1, 2, T, 16)
+            with torch.no_grad():
+                out = fn(q, q, q, block_mask=flex.block_mask(T, T, window=8, device="cpu"))
+            assert out.shape == q.shape
+        assert len(graphs) == 2
+    finally:
+        torch._dynamo.reset()
+        flex._compiled_flex.cache_clear()
+    with torch.inference_mode():
+        mask = flex.block_mask(40, 40, window=5, sinks=2, device="cpu")
+    assert not mask.kv_num_blocks.is_inference() and not mask.kv_indices.is_inference()

@@ -12,7 +12,9 @@ MoBA / NSA have no mask here: their per-query top-k blocks are data dependent, r
 q . mean(K), so they are not a static block mask (a mask_mod over the selection tensor would rebuild an
 O(T^2) mask per layer per call, the torch path's cost); they stay on torch (ops/dispatch.py).
 
-Masks are cached per (lengths, window, sinks, device): moving a model to another device builds new ones.
+Masks are cached per (lengths, window, sinks, device): moving a model to another device builds new ones. The
+mask lookup is kept out of a compiled model's graph (`torch.compiler.disable`): traced, Dynamo would skip the
+cache and rebuild the mask in every step.
 On CUDA flex_attention runs compiled (one fused Triton kernel, forward and backward). On CPU, torch 2.13
 runs only its forward, unfused (all scores materialised): "FlexAttention does not support backward on CPU",
 so the dispatcher never picks it there; the CPU tests use it for the forward only.
@@ -44,11 +46,15 @@ def _block_mask(q_len: int, kv_len: int, window: Optional[int], sinks: int, devi
     from torch.nn.attention.flex_attention import create_block_mask
 
     mod = band_mask_mod(window, sinks, kv_len - q_len)
-    # compiled mask construction on CUDA (no (Tq, Tk) mask in memory); plain on CPU (no C++ compile in tests)
-    return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
-                             _compile=device.startswith("cuda"))
+    # compiled mask construction on CUDA (no (Tq, Tk) mask in memory); plain on CPU (no C++ compile in tests).
+    # Never made of inference tensors: a mask first built in validation (inference mode) is cached and then
+    # used by training, whose backward must save it.
+    with torch.inference_mode(False):
+        return create_block_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device,
+                                 _compile=device.startswith("cuda"))
 
 
+@torch.compiler.disable  # the cache is the point: traced by Dynamo (model compile=true) it would be bypassed
 def block_mask(q_len: int, kv_len: int, *, window: Optional[int] = None, sinks: int = 0,
                device: torch.device | str = "cpu"):
     """The BlockMask of the band (causal when window is None) for q_len queries over kv_len keys."""
@@ -58,11 +64,16 @@ def block_mask(q_len: int, kv_len: int, *, window: Optional[int] = None, sinks: 
     return _block_mask(q_len, kv_len, window, sinks, str(device))
 
 
-@lru_cache(maxsize=1)
-def _compiled_flex():
+@lru_cache(maxsize=None)
+def _compiled_flex(backend: str = "inductor"):
+    """flex_attention compiled once for every length: `dynamic=None` (automatic dynamic shapes) compiles the first
+    length statically and the next one with symbolic lengths, which then serves every length (a graph per length
+    with dynamic=False hit Dynamo's recompile limit after 8 lengths, and flex then ran eagerly, materialising the
+    T x T scores). Grad mode and dtype are guards: a run in one dtype compiles at most 4 graphs (train /
+    validation x static / dynamic), under the limit."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None, backend=backend)
 
 
 def flex_attend(q, k, v, mask, *, scale: Optional[float] = None) -> torch.Tensor:
