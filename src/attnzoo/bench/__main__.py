@@ -1,3 +1,3 @@
-from attnzoo.cli.scripts import bench
+from attnzoo.bench.cli import main
 
-bench()
+main()

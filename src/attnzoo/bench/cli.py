@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import attnzoo.cli  # noqa: F401 - an entry point: Lightning's import kept lean (attnzoo/_lean_imports.py)
 import torch
 
 _SKIP = {"cli", "common", "__main__"}

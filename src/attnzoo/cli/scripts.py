@@ -1,12 +1,7 @@
-"""The console scripts whose code lives outside attnzoo.cli, entered through it (attnzoo/cli/__init__.py: the
-lean import of Lightning comes first); each imports its library only when called."""
+"""The console scripts whose code lives in the layers below attnzoo.cli, entered through it so that the lean
+import of Lightning comes first (attnzoo/cli/__init__.py); each imports its library only when called.
+attnzoo-bench, the layer above, imports attnzoo.cli itself."""
 from __future__ import annotations
-
-
-def bench() -> None:
-    from attnzoo.bench.cli import main
-
-    main()
 
 
 def generate() -> None:
