@@ -131,3 +131,37 @@ def _no_logging_to_closed_streams():
         for h in list(lg.handlers):
             if isinstance(h, logging.StreamHandler) and getattr(getattr(h, "stream", None), "closed", False):
                 lg.removeHandler(h)
+
+
+# ----------------------------------------------------------------------------------------- the inner tier
+# `pytest -m "not slow"` (README, "Tests"): the math, every mixer's equivalence fixtures, every refusal, at the
+# speed of an edit-test loop. Marked slow here, in one place (besides the `@pytest.mark.slow` in the files): whole
+# files of end-to-end runs (processes, DDP / FSDP / torchrun workers, the README's commands, sweeps, learning
+# checks), and single tests that train, compile with inductor or start a process for more than a few seconds.
+# CI runs everything.
+E2E_FILES = {"test_fsdp", "test_readme_chains", "test_readme_commands", "test_sweeps", "test_fla_interpreter",
+             "test_shards", "test_recall", "test_bench", "test_faults_ddp", "test_context_parallel", "test_lifecycle",
+             "test_data_prepare", "test_multimodal", "test_lm_eval", "test_scaling_fit", "test_train_e2e"}
+SLOW_TESTS = (
+    "test_resume.py::test_refused_run_keeps", "test_resume.py::test_resume_hint",
+    "test_resume.py::test_resume_continues_the_tensorboard", "test_resume.py::test_checkpoint_restores",
+    "test_static_decode.py::test_compiled_decode_equals_eager", "test_encdec.py::test_tiny_transformer_learns",
+    "test_lean_imports.py::test_entry_points", "test_stops.py::test_a_token_budget_counts_every",
+    "test_stops.py::test_a_flop_budget_resumed", "test_gpu_defaults.py::test_fused_adamw_under_bf16",
+    "test_gpu_defaults.py::test_a_text_run_does_not_import", "test_report_html.py::test_the_command_and_the_module",
+    "test_console.py::test_a_refused_run_leaves", "test_console.py::test_what_a_run_prints",
+    "test_memory.py::test_context_parallel_with", "test_memory.py::test_compiled_checkpointed",
+    "test_mup.py::test_coordinate_check", "test_linearize.py::test_linearize_gated_deltanet_matches",
+    "test_vision.py::test_classifier_trains_from_the_cli", "test_checkpoint_safety.py::test_a_payload_never_runs",
+    "test_gpu_check.py::test_the_spawned_worker", "test_static_kv_formats.py::test_aot_autograd",
+    "test_dispatch.py::test_probes_never_import", "test_dispatch.py::test_gpu_check_harness",
+    "test_help.py::test_help_of_the_hydra", "test_hf_io.py::test_init_from_trains",
+    "test_kv_quant.py::test_eval_says",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.stem in E2E_FILES or f"{path.name}::{item.name}".startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
