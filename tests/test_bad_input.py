@@ -413,3 +413,21 @@ def test_every_sweep_passes_the_unknown_key_check():
 
     for name in available():
         assert check_unknown_keys(hydra_argv(name, ["debug=smoke", "optim.lr=1e-3,3e-3"])) is None, name
+
+
+@pytest.mark.parametrize("key", ["n_heads", "head_dim", "v_head_dim", "n_kv_heads"])
+@pytest.mark.parametrize("value", [0, -8])
+def test_a_mixers_own_size_below_one_is_refused_for_every_mixer(key, value):
+    """Issue 43: `retnet n_heads=0` silently became the model's (`cfg.x or default`), `gla v_head_dim=-1` reached
+    a tensor constructor. Every registered mixer with that key, through resolve_model (what validate runs)."""
+    from attnzoo.config.schema import resolve_model
+
+    import dataclasses
+
+    names = [n for n in MIXERS.names() if key in {f.name for f in dataclasses.fields(MIXERS.get(n).config_cls)}]
+    assert names or key == "n_kv_heads"
+    for name in names:
+        with pytest.raises(ConfigError) as e:
+            resolve_model({"d_model": 32, "n_heads": 4, "mixer": {"name": name, key: value}})
+        assert str(e.value) == (f"model.layers[0].mixer.{key}: got {value}; allowed: an integer >= 1, or null "
+                                f"(the model's)"), (name, str(e.value))

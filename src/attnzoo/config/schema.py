@@ -297,6 +297,18 @@ def tagged(registry, node: Any, prefix: str, default_name: str | None = None) ->
 # ----------------------------------------------------------------------------- model
 
 
+# a mixer's own sizes, null meaning "the model's": 0 or a negative value was taken for null by `cfg.x or default`
+# (retnet n_heads 0), or reached a tensor constructor ("negative dimension"); refused for every mixer here
+MIXER_SIZE_KEYS = ("n_heads", "n_kv_heads", "head_dim", "v_head_dim")
+
+
+def _check_mixer_sizes(mc, field: str) -> None:
+    for key in MIXER_SIZE_KEYS:
+        value = getattr(mc, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"got {value!r}; allowed: an integer >= 1, or null (the model's)", field=f"{field}.{key}")
+
+
 def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     """Validate a model section and return the typed `ModelConfig` (mixer/ffn typed too, `layers` resolved)."""
     from attnzoo.config.registry import FFNS, MIXERS
@@ -353,6 +365,7 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     if cfg.vocab_size is not None:
         check(cfg.vocab_size > 0, "model.vocab_size", "must be positive")
     for i, mc in enumerate(layer_mixer_configs(cfg)):
+        _check_mixer_sizes(mc, f"model.layers[{i}].mixer")
         if hasattr(mc, "validate"):
             mc.validate(cfg, field=f"model.layers[{i}].mixer")
     if hasattr(cfg.ffn, "validate"):
