@@ -29,6 +29,7 @@ EXTRA = [
     ("`--resume DIR` on a dir that is not a run", "--resume: <dir> is not a run directory (no .hydra/overrides.yaml)"),
     ("`attnzoo-report` on a job with a broken summary.json", "one stderr line per bad job; the report is still built"),
     ("`model/mixer=retnet model.mixer.n_heads=0` (a mixer's own n_heads / head_dim / v_head_dim below 1, every mixer; tests/test_bad_input.py)", "model.layers[0].mixer.n_heads: got 0; allowed: an integer >= 1, or null (the model's)"),
+    ("`attnzoo-ckpt consolidate SRC FILE/x.ckpt` (under a file; tests/test_checkpoint_safety.py)", "DST: <file>/x.ckpt cannot be written (<file> is a file, not a directory); allowed: a path under a writable directory"),
     # command-line tools (tests/test_bad_input_cli.py, tests/test_kept_files.py): refused before the run is read
     ("`attnzoo-export RUN OUT` onto a full disk", "OUT_DIR: cannot write <out> (No space left on device); nothing was written"),
     ("`attnzoo-export RUN FILE` (the output path is a file)", "OUT_DIR: <file> is a file; allowed: a new or empty directory"),

@@ -156,6 +156,19 @@ def test_the_unplanted_checkpoint_loads(sharded_run, tmp_path):
     assert check_checkpoint(tmp_path / "one.ckpt")["global_step"] == 2
 
 
+def test_consolidate_under_a_file_is_one_line(sharded_run, tmp_path, capsys):
+    """Issue 43: `attnzoo-ckpt consolidate SRC notes.txt/x.ckpt` ended in FileExistsError."""
+    from attnzoo.cli import ckpt as ckpt_cli
+
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        ckpt_cli.main(["consolidate", str(sharded_run / "checkpoints" / "last.ckpt"), str(tmp_path / "notes.txt" / "x.ckpt")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0, err
+    assert err == (f"attnzoo-ckpt: error: DST: {tmp_path}/notes.txt/x.ckpt cannot be written ({tmp_path}/notes.txt is "
+                   f"a file, not a directory); allowed: a path under a writable directory")
+
+
 def test_a_payload_in_a_single_file_checkpoint(tmp_path, capsys):
     """A .ckpt holding a payload: weights_only refuses it in one line, unrun."""
     from attnzoo.training.checkpoint_io import check_checkpoint

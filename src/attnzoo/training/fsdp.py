@@ -116,5 +116,9 @@ def consolidate(src: str | Path, dst: str | Path) -> Path:
           f".metadata); allowed: a trainer=fsdp run's checkpoints/last.ckpt or best.ckpt")
     dst = Path(dst)
     check(not Path(dst).is_dir(), "DST", f"{dst} is a directory; allowed: a file path (e.g. model.ckpt)")
+    from attnzoo.config.paths import unwritable
+
+    why = unwritable(dst)  # under a file, or a read-only folder: refused before the checkpoint is read
+    check(why is None, "DST", f"{dst} cannot be written ({why}); allowed: a path under a writable directory")
     AtomicCheckpointIO().save_checkpoint(check_checkpoint(src, field="SRC"), dst)
     return dst
