@@ -45,9 +45,10 @@ def check_devices_present(t: TrainerConfig) -> None:
     if t.accelerator in ("gpu", "cuda"):
         import torch
 
+        alternative = ("trainer=fsdp_cpu for FSDP over CPU processes" if str(t.strategy) == "fsdp"
+                       else "trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes")
         check(torch.cuda.is_available(), "trainer.accelerator",
-              f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu "
-              f"(trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes)")
+              f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu ({alternative})")
         fsdp_bf16 = str(t.strategy) == "fsdp" and "bf16" in (t.fsdp.param_dtype, t.fsdp.reduce_dtype)
         check(not fsdp_bf16 or torch.cuda.is_bf16_supported(), "trainer.fsdp.param_dtype",
               f"bf16 on {torch.cuda.get_device_name()}, which has no bf16; allowed: fp16 or null")
