@@ -242,6 +242,7 @@ def _cases(tmp):
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))
         cases.append(("ddp without a gpu", ["trainer=ddp"], "trainer.accelerator", "no CUDA device"))
+        cases.append(("unknown strategy", ["trainer.strategy=fsdp2"], "trainer.strategy", "allowed: auto, single_device, ddp"))
         cases.append(("fsdp without a gpu", ["trainer=fsdp"], "trainer.accelerator", "trainer=fsdp_cpu for FSDP"))
     if "mla" in MIXERS.names():
         cases.append(("mla ranks", ["model/mixer=mla", "model.mixer.kv_lora_rank=0"], "model.layers[0].mixer.kv_lora_rank", ""))

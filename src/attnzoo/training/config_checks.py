@@ -23,7 +23,16 @@ from attnzoo.training.launch import is_data_parallel, requested_devices
 from attnzoo.ops.dispatch import check_request, run_compute_dtype
 
 
+# trainer.strategy values attnzoo runs: Lightning's own DDP names (its StrategyRegistry, 2.x), and "fsdp", which is
+# attnzoo's FSDP2 (training/fsdp.py), not Lightning's FSDP1 of that name; deepspeed / xla are not wired here
+_DDP_VARIANTS = ("", "_find_unused_parameters_false", "_find_unused_parameters_true")
+STRATEGIES = ("auto", "single_device", *(f"ddp{k}{v}" for k in ("", "_spawn", "_fork", "_notebook")
+                                          for v in _DDP_VARIANTS), "fsdp")
+
+
 def _check_trainer(t: TrainerConfig) -> None:
+    check(isinstance(t.strategy, str) and t.strategy in STRATEGIES, "trainer.strategy",
+          f"got {t.strategy!r}; allowed: {', '.join(STRATEGIES)} (or a preset: trainer=ddp_cpu, fsdp_cpu, ddp, fsdp)")
     vci = t.val_check_interval
     check(isinstance(vci, (int, float)) and not isinstance(vci, bool) and vci > 0 and (isinstance(vci, int) or vci <= 1),
           "trainer.val_check_interval", f"got {vci!r}; allowed: a positive number of steps, or a fraction in (0, 1]")
