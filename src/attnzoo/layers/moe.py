@@ -30,7 +30,7 @@ from attnzoo.layers import aux_loss as hooks
 from attnzoo.config.errors import check, check_choice
 from attnzoo.layers.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig, hidden_size
 from attnzoo.config.registry import register_ffn
-from attnzoo.ops.dispatch import autocast_off
+from attnzoo.ops.dispatch import autocast_off, constant_result
 
 
 @dataclass
@@ -96,7 +96,10 @@ class MoEConfig:
 _GROUPED_MM_OK: dict = {}
 
 
-@torch.compiler.disable  # an eager probe, never traced into a compiled graph
+# an eager probe, never traced: under torch.compile it runs once at trace time and its answer is a constant of the
+# graph (device and dtype are constants there); constant_result, not torch.compiler.disable, so that importing the
+# FFN registry does not import torch._dynamo (issue 45)
+@constant_result
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward + backward here (it is private and its support differs
     by device, dtype and version); probed once per (device type, dtype) on a tiny problem."""

@@ -111,15 +111,27 @@ def _probe_flex() -> bool:
     return True
 
 
+def constant_result(fn):
+    """`torch.compiler.assume_constant_result` without importing torch._dynamo (~2 s of every CLI start on a 2-core
+    machine, issue 45): the mark it sets (torch/_dynamo/decorators.py), or the real decorator once Dynamo is loaded.
+    tests/test_lean_imports.py checks the mark is still the one torch sets."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # assume_constant_result: under torch.compile (compile=true) the probe runs once, eagerly, and its answer is a
 # constant of the graph (no find_spec / import traced, no graph break)
-@torch.compiler.assume_constant_result
+@constant_result
 def fla_available() -> bool:
     """fla's Triton kernels can run on this machine: a CUDA device, triton and fla-core importable."""
     return _once("fla", _probe_fla)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def flex_available() -> bool:
     """flex_attention can run (forward and backward) on this machine's CUDA device: it compiles Triton kernels."""
     return _once("flex", _probe_flex)

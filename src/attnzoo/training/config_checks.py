@@ -9,7 +9,6 @@ import math
 import shutil
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
@@ -20,7 +19,9 @@ from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
-from attnzoo.ops.dispatch import check_request, run_compute_dtype
+
+# torch is imported by the checks that need it (devices, kernels), after the value checks: a refused value is
+# reported before torch's import (issue 45; tests/test_lean_imports.py)
 
 
 # trainer.strategy values attnzoo runs: Lightning's own DDP names (its StrategyRegistry, 2.x), and "fsdp", which is
@@ -358,6 +359,8 @@ def validate(cfg: DictConfig) -> dict:
 
 def run_device_type(trainer_cfg) -> str:
     """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
+    import torch
+
     acc = str(trainer_cfg.accelerator)
     return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
 
@@ -379,6 +382,8 @@ def check_kernels_present(parts: dict) -> None:
     kernel fla refuses on this device: ops/dispatch.py fla_gates), and an explicit fla with packed documents or
     context parallelism (those calls run the torch chunk form: fla's kernels are not given the document resets or
     the shards' states): one line, before any work."""
+    from attnzoo.ops.dispatch import check_request, run_compute_dtype
+
     model_cfg, run, data = parts["model"], parts["run"], parts["data"]
     impl = getattr(model_cfg, "impl", "auto")
     check_request(impl, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0],

@@ -19,19 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import DATAMODULES
-from attnzoo.models.decoder import DecoderLM
-from attnzoo.models.encoder_decoder import EncoderDecoder, EncoderMLM
-from attnzoo.models.encoder_decoder import split_config as split_encdec_config
-from attnzoo.models.vision import ImageClassifier, VisionLanguageModel
+from attnzoo.models.encdec_options import split_config as split_encdec_config
 from attnzoo.models.vision.options import image_tokens
 from attnzoo.models.vision.options import split_config as split_vision_config
 
-# The LightningModules are imported by the build_lit functions, when a run is built: validate() goes through
-# this module, and a refused config is reported before Lightning's import (issue 45).
+if TYPE_CHECKING:
+    from torch import nn
+
+# The networks (torch) and the LightningModules are imported by the build functions, when a model is built:
+# validate() goes through this module, and a refused value is reported before torch's import (issue 45: each
+# refusal in under 1.5 s; tests/test_lean_imports.py checks it).
 
 SEQ2SEQ_DATA = ("reversal", "sorting", "addition")  # (src, tgt) batches: data/seq2seq.py
 
@@ -88,6 +89,8 @@ def _check_encdec_options(model_node: dict) -> None:
 
 def embedding_params(model: nn.Module) -> int:
     """Parameters of every embedding table (token and learned-position), each shared tensor once."""
+    from torch import nn
+
     seen = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
     return sum(seen.values())
 
@@ -102,6 +105,8 @@ def _lm_metrics(data_cfg: Any) -> list:
 
 
 def _decoder_model(model_cfg, vocab_size):
+    from attnzoo.models.decoder import DecoderLM
+
     return DecoderLM(model_cfg, vocab_size=vocab_size)
 
 
@@ -112,6 +117,8 @@ def _decoder_lit(container, model_cfg, dm):
 
 
 def _encdec_model(model_cfg, vocab_size):
+    from attnzoo.models.encoder_decoder import EncoderDecoder
+
     return EncoderDecoder(model_cfg, vocab_size=vocab_size)
 
 
@@ -123,6 +130,8 @@ def _encdec_lit(container, model_cfg, dm):
 
 
 def _encoder_model(model_cfg, vocab_size):
+    from attnzoo.models.encoder_decoder import EncoderMLM
+
     return EncoderMLM(model_cfg, vocab_size=vocab_size + 1)  # + [MASK], as LitMLM builds it
 
 
@@ -176,6 +185,8 @@ def _image_geometry(vis, vocab_size: int) -> tuple:
 
 
 def _vision_model(model_cfg, vocab_size):
+    from attnzoo.models.vision import ImageClassifier
+
     return ImageClassifier(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
 
 
@@ -187,6 +198,8 @@ def _vision_lit(container, model_cfg, dm):
 
 
 def _vlm_model(model_cfg, vocab_size):
+    from attnzoo.models.vision import VisionLanguageModel
+
     return VisionLanguageModel(model_cfg, *_image_geometry(_vision_setup(model_cfg).vision, vocab_size))
 
 

@@ -7,8 +7,18 @@
   connectors.py  concat projector, gated cross-attention (zero-init tanh gates), Perceiver resampler
   vlm.py         model=vlm: image encoder + connector + the zoo's DecoderLM, cached decoding
 """
-from attnzoo.models.vision.classifier import ImageClassifier
 from attnzoo.models.vision.options import ConnectorConfig, VisionOptions, split_config
-from attnzoo.models.vision.vlm import VisionLanguageModel
+
+# the networks (torch) load on first use, so that the options (validate(): torch-free, issue 45) do not pull them
+_LAZY = {"ImageClassifier": "attnzoo.models.vision.classifier", "VisionLanguageModel": "attnzoo.models.vision.vlm"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ConnectorConfig", "ImageClassifier", "VisionLanguageModel", "VisionOptions", "split_config"]
