@@ -37,6 +37,8 @@ def test_train_loss_falls_and_writes_summary(tmp_path):
     assert metrics["cache/bytes_at_ctx"] == 32 * metrics["cache/bytes_per_token"]
     assert 0 < metrics["perf/mfu"] < 1
     assert (summary["compute_dtype"], summary["compute_dtype_source"]) == ("float32", "trainer.precision")
+    # in process (a library call): the wait for the first step is counted from train()'s call, within its wall time
+    assert summary["first_step_origin"] == "train()" and 0 < summary["first_step_seconds"] < summary["wall_seconds"]
     # training = forward + backward = 3 x the forward FLOPs (tests/test_flops_exact.py counts the 3x), and MFU is
     # computed from exactly that figure and the overridden peak
     import attnzoo

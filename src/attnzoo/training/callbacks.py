@@ -21,6 +21,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def command_start() -> tuple[str, float]:
+    """Where a run's wait for its first step is counted from: ("command", attnzoo.STARTED, its first import) in a
+    process started as an attnzoo command (a console script, `python -m attnzoo.cli.*`, their DDP workers), else
+    ("train()", now): a library call in a longer-lived process (a notebook, pytest) times from the call."""
+    import os
+    import sys
+
+    import attnzoo
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0).startswith("attnzoo-") or f"attnzoo{os.sep}cli{os.sep}" in argv0:
+        return "command", attnzoo.STARTED
+    return "train()", time.perf_counter()
+
+
 class ThroughputMonitor(L.Callback):
     """Logs perf/tokens_per_sec (all ranks), perf/step_ms, perf/flops_per_token, perf/mfu, mem/peak_bytes.
 
@@ -39,6 +54,10 @@ class ThroughputMonitor(L.Callback):
         self.peak_source = ""
         self.flops_per_token = 0.0
         self.last: dict = {}
+        # seconds from the command's start to the end of this process's first optimizer step (imports, config,
+        # data, model, checkpoint and the first step itself: what a user waits before training starts)
+        self.first_step_seconds: float | None = None
+        self.first_step_origin, self._origin = command_start()
         self._reset()
 
     def _reset(self) -> None:
@@ -66,6 +85,8 @@ class ThroughputMonitor(L.Callback):
         count = getattr(pl_module, "tokens_in_batch", None)
         self._tokens += count(batch) if count is not None else batch[0].numel()
         self._steps += 1
+        if self.first_step_seconds is None and self._steps >= trainer.accumulate_grad_batches:
+            self.first_step_seconds = time.perf_counter() - self._origin
         if self._steps >= self.window * trainer.accumulate_grad_batches:
             pl_module.log_dict(self._measure(trainer, pl_module), on_step=True, on_epoch=False)
 

@@ -104,7 +104,10 @@ def format_summary(summary: dict) -> str:
         f"  kv-cache   {g('cache/bytes_per_token', '{:,.0f}')} bytes/token   {g('cache/bytes_at_ctx', '{:,.0f}')} bytes "
         f"at {summary['context_len']} tokens   decode {g('perf/decode_tokens_per_sec', '{:,.1f}')} tokens/s"
         + decode_path(m),
-        f"  wall       {summary['wall_seconds']:.1f} s   steps {summary['global_step']}" + spent(summary.get("length")),
+        f"  wall       {summary['wall_seconds']:.1f} s" + (f" (first step done {summary['first_step_seconds']:.1f} s "
+                                                       f"after the {summary.get('first_step_origin', 'command')})"
+                                                       if summary.get("first_step_seconds") is not None else "")
+        + f"   steps {summary['global_step']}" + spent(summary.get("length")),
     ]
     if "val/loss_kvq" in m:  # inference.kv_cache_dtype other than fp32: bytes above are that format's
         kv_dtype = ((summary.get("config") or {}).get("inference") or {}).get("kv_cache_dtype")
@@ -149,6 +152,9 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
         "output_dir": str(out),
         "global_step": trainer.global_step,
         "wall_seconds": time.perf_counter() - t_start,
+        # the command's start (or train()'s call in a library process) to the end of the first optimizer step
+        "first_step_seconds": throughput.first_step_seconds,
+        "first_step_origin": throughput.first_step_origin,
         "context_len": data_cfg.seq_len,
         "peak_flops": throughput.peak or 0.0,
         "peak_source": throughput.peak_source,
