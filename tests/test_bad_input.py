@@ -238,6 +238,11 @@ def _cases(tmp):
         ("unknown logger", ["+logger.mlflow={}"], "logger.mlflow", "allowed: csv, tensorboard, wandb"),
         ("budget without params", ["+model_budget={count: total}"], "model_budget", "expected {params: N"),
         ("unreachable budget", ["model/ffn=none", "+model_budget={params: 10}"], "model_budget.params", ""),
+        # a nested unknown key lists its own section's keys (listed the top level's)
+        ("unknown nested key", ["+trainer.fsdp.nosuch=1"], "trainer.fsdp.nosuch",
+         "allowed keys: param_dtype, reduce_dtype, reshard_after_forward, cpu_offload"),
+        ("misspelt nested key", ["+trainer.fsdp.param_dtyp=bf16"], "trainer.fsdp.param_dtyp",
+         "did you mean trainer.fsdp.param_dtype?"),
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))

@@ -202,6 +202,13 @@ def test_bad_out(tmp_path, capsys, tokenizer_file):
     (tmp_path / "junk" / "x").write_text("mine")
     line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "junk")])
     assert line.startswith(f"OUT: {tmp_path}/junk is not empty and not a folder attnzoo-data prepared"), line
+    # under a file (was NotADirectoryError from mkdir): refused before any work, the file untouched
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert refused(capsys, ["prepare", str(tmp_path / "src"), str(notes / "out")]) == (
+        f"OUT: {notes}/out cannot be created: {notes} is a file; allowed: a new or empty directory under a writable "
+        f"folder, or a folder attnzoo-data prepared")
+    assert notes.read_text() == "mine"
     assert refused(capsys, ["info", str(tmp_path / "junk")]) == (
         f"OUT: {tmp_path}/junk has no manifest.json: not a prepared folder; allowed: a folder written by "
         f"attnzoo-data prepare")

@@ -263,11 +263,30 @@ def _merge(schema: type, node: Any, prefix: str) -> Any:
         if "not in" in msg or "Key '" in msg:
             import difflib
 
-            names = [f.name for f in _fields(schema)]
+            # the section the key is in (trainer.fsdp.nosuch: trainer.fsdp's keys, not the top level's)
+            names = [f.name for f in _fields(_section_schema(schema, key.split(".")[:-1]))]
             close = difflib.get_close_matches(key.split(".")[-1], names, n=1)
             hint = f"did you mean {where.rsplit('.', 1)[0] + '.' if '.' in where else ''}{close[0]}? " if close else ""
             raise ConfigError(f"unknown key; {hint}allowed keys: {', '.join(names)}", field=where) from None
         raise ConfigError(msg, field=where) from None
+
+
+def _section_schema(schema: type, path: list) -> type:
+    """The dataclass of the section at `path` under `schema` (Optional[...] unwrapped); the deepest found."""
+    import dataclasses
+    import typing
+
+    for part in path:
+        try:
+            hint = typing.get_type_hints(schema).get(part)
+        except (NameError, TypeError):
+            return schema
+        inner = [hint, *typing.get_args(hint)]
+        found = next((t for t in inner if dataclasses.is_dataclass(t)), None)
+        if found is None:
+            return schema
+        schema = found
+    return schema
 
 
 def _fields(schema: type):

@@ -278,6 +278,11 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file; allowed: a new or empty directory, or a folder attnzoo-data prepared",
                           field="OUT")
+    above = next(p for p in out.parents if p.exists())  # the folder OUT would be created in
+    if not out.exists() and not (above.is_dir() and os.access(above, os.W_OK | os.X_OK)):
+        what = "a file" if not above.is_dir() else "not writable"
+        raise ConfigError(f"{out} cannot be created: {above} is {what}; allowed: a new or empty directory under a "
+                          f"writable folder, or a folder attnzoo-data prepared", field="OUT")
     work = out / ".work"
     done = read_manifest(out) if (out / "manifest.json").exists() else None
     others = [p for p in out.iterdir() if p.name != ".work"] if out.is_dir() else []
