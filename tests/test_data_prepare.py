@@ -209,6 +209,12 @@ def test_bad_out(tmp_path, capsys, tokenizer_file):
         f"OUT: {notes}/out cannot be created: {notes} is a file; allowed: a new or empty directory under a writable "
         f"folder, or a folder attnzoo-data prepared")
     assert notes.read_text() == "mine"
+    # two tokenizer sources (the model directory was silently ignored): refused, nothing created
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "two"), "--tokenizer-file",
+                            str(tokenizer_file), "--tokenizer-model", str(tmp_path)])
+    assert line == ("--tokenizer-model: given with --tokenizer file, which does not read it; allowed: one tokenizer "
+                    "source (--tokenizer-file or --tokenizer-model, or neither for bpe)"), line
+    assert not (tmp_path / "two").exists()
     assert refused(capsys, ["info", str(tmp_path / "junk")]) == (
         f"OUT: {tmp_path}/junk has no manifest.json: not a prepared folder; allowed: a folder written by "
         f"attnzoo-data prepare")

@@ -3,8 +3,9 @@ form == its per-token recurrence in fp64 (1e-10, outputs and every gradient; str
 prefill + one-token steps == the full forward, packing over several chunks == each document alone, cache bytes,
 parity with the references: fla's HGRN2Attention layer math rebuilt on our weights over fla-core's naive GLA
 recurrence; fla-core's naive simple-GLA (SSD) forms for Mamba-2's op; transformers' Mamba2Mixer (its torch path) with
-our weights copied in. The generic contract runs from tests/test_mixers_contract.py, exact FLOPs from
-tests/test_flops_exact.py, context parallelism from tests/test_context_parallel.py (bench/context_parallel.CASES).
+our weights copied in (the output, and the gradients w.r.t. x and every parameter). The generic contract runs from
+tests/test_mixers_contract.py, exact FLOPs from tests/test_flops_exact.py, context parallelism from
+tests/test_context_parallel.py (bench/context_parallel.CASES).
 
 Tolerances (conftest.gap_atol): two of our forms in fp64 (1e-10); fla's naive forms and transformers' torch path
 compute in fp32 whatever the input, so FP32_FACTOR x our own fp32-vs-fp64 gap."""
@@ -284,6 +285,56 @@ def test_mamba2_layer_matches_transformers_mamba2_mixer(case):
         out64 = layer(x, positions=torch.arange(T))
         out = layer.float()(x.float(), positions=torch.arange(T))
     torch.testing.assert_close(out.double(), expected.double(), atol=gap_atol(out, out64), rtol=0)
+
+
+def _transformers_mamba2_grads_in_our_layout(layer, g: dict) -> dict:
+    """Gradients w.r.t. transformers' Mamba2Mixer parameters (`g`, keyed by its parameter names) keyed by our layer's
+    parameter names instead: `_transformers_mamba2`'s weight mapping run backwards (in_proj's [z | x | B | C | dt]
+    rows split into g_proj, qkv = [C | B | x] and dt_proj; the conv's [x | B | C] channels reordered to [C | B | x])."""
+    conv_bias = ["conv1d.bias"] if layer.conv.bias is not None else []
+    assert sorted(g) == sorted(["in_proj.weight", "conv1d.weight", *conv_bias, "out_proj.weight", "norm.weight",
+                                "dt_bias", "A_log", "D"])  # every parameter of theirs mapped below
+    H, GN, inner = layer.n_v_heads, layer.n_qk_heads * layer.qk_dim, layer.n_v_heads * layer.v_dim
+    z, xx, bb, cc, dt = g["in_proj.weight"].split([inner, inner, GN, GN, H], dim=0)
+    wx, wb, wc = g["conv1d.weight"][:, 0, :].split([inner, GN, GN], dim=0)
+    ours = {"g_proj.weight": z, "qkv.weight": torch.cat([cc, bb, xx]), "dt_proj.weight": dt,
+            "conv.weight": torch.cat([wc, wb, wx]), "o_proj.weight": g["out_proj.weight"],
+            "norm.weight": g["norm.weight"], **{n: g[n] for n in ("dt_bias", "A_log", "D")}}
+    if conv_bias:
+        bx, bb_, bc = g["conv1d.bias"].split([inner, GN, GN])
+        ours["conv.bias"] = torch.cat([bc, bb_, bx])
+    return ours
+
+
+@pytest.mark.parametrize("case", ["C8-T50", "C8-T40-groups2", "C64-T7-P16"])
+def test_mamba2_layer_gradients_match_transformers_mamba2_mixer(case):
+    """The backward of the output test above: the gradients of a random linear loss (fixed seed) w.r.t. the input x
+    and every parameter, transformers' (its torch path, scan and norm in fp32 whatever the input) mapped into our
+    layout, against ours in fp32 within FP32_FACTOR x our own fp32-vs-fp64 gap on each gradient. Ours runs its
+    default chunkwise form (impl "fast", as the output test), whose mix() holds the D skip."""
+    layer, T = _mamba2(case)
+    layer = layer.double()
+    ref = _transformers_mamba2(layer)
+    x = _x(layer, T)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)  # the upstream grad
+
+    def grads(module, x, **kw):  # d(sum(out * w)) / d[x, *parameters]
+        x = x.clone().requires_grad_()
+        out = module(x, **kw)
+        return torch.autograd.grad((out * w.to(out.dtype)).sum(), [x, *module.parameters()])
+
+    names = ["x", *(n for n, _ in layer.named_parameters())]
+    layer.impl = "fast"
+    g64 = grads(layer, x, positions=torch.arange(T))
+    g32 = grads(layer.float(), x.float(), positions=torch.arange(T))
+    gx, *g = grads(ref, x)
+    theirs = {"x": gx, **_transformers_mamba2_grads_in_our_layout(layer, dict(zip(dict(ref.named_parameters()), g)))}
+    assert sorted(theirs) == sorted(names)
+    for name, a32, a64 in zip(names, g32, g64):
+        expected = theirs[name].double().reshape(a64.shape)
+        assert expected.abs().max() > 0, name  # every gradient carries signal
+        torch.testing.assert_close(a32.double(), expected, atol=gap_atol(a32, a64), rtol=0,
+                                   msg=lambda m, name=name: f"{case}: d/d{name}: {m}")
 
 
 # ----------------------------------------------------------------------------- both

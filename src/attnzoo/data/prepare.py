@@ -45,7 +45,9 @@ SPLITS = ("train", "val")
 class PrepareOptions:
     """The knobs of `prepare` (the CLI's options, same names with dashes)."""
 
-    tokenizer: str = "bpe"  # bpe (trained on a sample of SRC) | file (tokenizer_file) | model (tokenizer_model)
+    # bpe (trained on a sample of SRC) | file (tokenizer_file) | model (tokenizer_model); None: the one whose
+    # source is given (file / model), else bpe, as the CLI infers it
+    tokenizer: Optional[str] = None
     tokenizer_file: Optional[str] = None  # a HF tokenizers JSON (tokenizer.json)
     tokenizer_model: Optional[str] = None  # a transformers model directory with tokenizer.json (model.init_from)
     eos_token: Optional[str] = None  # the end-of-text token; None: the tokenizer's own (EOS_NAMES, eos_token)
@@ -63,7 +65,15 @@ class PrepareOptions:
     progress: bool = True
 
     def validate(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = "file" if self.tokenizer_file else "model" if self.tokenizer_model else "bpe"
         check_choice(self.tokenizer, "--tokenizer", ("bpe", "file", "model"))
+        # a second tokenizer source was silently ignored (--tokenizer-file beside --tokenizer-model: the file won)
+        for kind, given, flag in (("file", self.tokenizer_file, "--tokenizer-file"),
+                                  ("model", self.tokenizer_model, "--tokenizer-model")):
+            check(given is None or self.tokenizer == kind, flag, f"given with --tokenizer {self.tokenizer}, which "
+                  f"does not read it; allowed: one tokenizer source (--tokenizer-file or --tokenizer-model, or "
+                  f"neither for bpe)")
         if self.tokenizer == "file":
             check(self.tokenizer_file is not None, "--tokenizer-file", "a tokenizer.json path is needed with "
                   "--tokenizer file")
