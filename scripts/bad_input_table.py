@@ -33,6 +33,7 @@ EXTRA = [
     # command-line tools (tests/test_bad_input_cli.py, tests/test_kept_files.py): refused before the run is read
     ("`attnzoo-data prepare SRC FILE/out` (under a file; tests/test_data_prepare.py)", "OUT: <file>/out cannot be created: <file> is a file; allowed: a new or empty directory under a writable folder, or a folder attnzoo-data prepared"),
     ("`attnzoo-data prepare SRC OUT --tokenizer-file F --tokenizer-model DIR` (two tokenizer sources; tests/test_data_prepare.py)", "--tokenizer-model: given with --tokenizer file, which does not read it; allowed: one tokenizer source (--tokenizer-file or --tokenizer-model, or neither for bpe)"),
+    ("`attnzoo-generate RUN x --max-new-tokens N` past `model.max_seq_len` with rope / alibi / sinusoidal / no positions (tests/test_bad_input_cli.py)", "--max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed model.max_seq_len=40 (rope positions: lengths the model is not sized for); allowed: <= 36, or --extrapolate to generate past it"),
     ("`attnzoo-export RUN OUT` onto a full disk", "OUT_DIR: cannot write <out> (No space left on device); nothing was written"),
     ("`attnzoo-export RUN FILE` (the output path is a file)", "OUT_DIR: <file> is a file; allowed: a new or empty directory"),
     ("`attnzoo-export RUN FILE/export` (under a file)", "OUT_DIR: <file>/export cannot be created (<file> is a file, not a directory); allowed: a path under a writable directory"),

@@ -78,9 +78,31 @@ def test_generate_past_the_learned_position_table_is_one_line(learned_run, tmp_p
     got = refused(capsys, generate_main, [str(learned_run), "--prompts", str(prompts), "--max-new-tokens", "1"])
     assert got == ("attnzoo-generate: error: --prompts: prompt 2 (40 tokens) fills the learned position table "
                    "(model.max_seq_len=40); allowed: a prompt of < 40 tokens")
+    # --extrapolate does not stretch a learned table
+    got = refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37", "--extrapolate"])
+    assert got.startswith("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed")
     generate_main([str(learned_run), "def ", "--max-new-tokens", "36", "--top-k", "0", "--top-p", "1"])  # the edge fits
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out.rstrip("\n")) >= 4
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal", "none"])
+def test_generate_past_max_seq_len_is_refused_for_every_position_method(position):
+    """model.max_seq_len (the longest prompt + generation) caps computed positions too (was: learned only), unless
+    --extrapolate; every prompt checked before the first is sampled."""
+    from types import SimpleNamespace
+
+    from attnzoo.config.errors import ConfigError
+
+    cfg = SimpleNamespace(max_seq_len=40, position=SimpleNamespace(name=position))
+    run = SimpleNamespace(model=SimpleNamespace(cfg=cfg), encode=lambda p: list(p.encode()))
+    inference._check_prompts(run, ["def "], 36)  # the edge fits
+    with pytest.raises(ConfigError) as e:
+        inference._check_prompts(run, ["d", "def "], 37)
+    assert str(e.value) == (f"--max-new-tokens: prompt 2 (4 tokens) + 37 new tokens exceed model.max_seq_len=40 "
+                            f"({position} positions: lengths the model is not sized for); allowed: <= 36, or "
+                            f"--extrapolate to generate past it")
+    inference._check_prompts(run, ["def "], 1000, extrapolate=True)
 
 
 # ----------------------------------------------------------------------------- attnzoo-eval

@@ -240,7 +240,9 @@ def generate_main(argv: list[str] | None = None) -> None:
     ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
     ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="prompt + new tokens: at most model.max_seq_len "
-                    "with learned positions")
+                    "(past it with --extrapolate, except with learned positions)")
+    ap.add_argument("--extrapolate", action="store_true", help="let prompt + new tokens pass model.max_seq_len with "
+                    "computed positions (rope, alibi, sinusoidal, none): lengths the model is not sized for")
     ap.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
     ap.add_argument("--top-k", type=int, default=40, help=">= 0; 0 = no top-k cut")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
@@ -273,7 +275,7 @@ def generate_main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
                               field="checkpoint")
         fmt = kv_format_of(run, args)
-        _check_prompts(run, prompts, args.max_new_tokens)
+        _check_prompts(run, prompts, args.max_new_tokens, extrapolate=args.extrapolate)
         ids = [run.encode(p) for p in prompts]
         batch = min(args.batch_size, len(prompts))
         compiled = args.device.startswith("cuda") if args.compile == "auto" else args.compile == "true"
@@ -296,10 +298,23 @@ def generate_main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int) -> None:
-    """Every prompt encodes to tokens and, with learned positions, fits the table with its new tokens:
-    checked for all prompts before the first is sampled."""
+def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int, extrapolate: bool = False) -> None:
+    """Every prompt encodes to tokens and fits model.max_seq_len with its new tokens (`model.max_seq_len`: the
+    longest prompt + generation, config/schema.py), for every position method: with learned positions a hard limit
+    (the table), with computed ones unless `extrapolate` (was: refused only for learned positions). Checked for all
+    prompts before the first is sampled."""
     limit = position_table(run.model)
+    cfg = run.model.cfg
+    if limit is None and not extrapolate:
+        position = getattr(getattr(cfg, "position", None), "name", "none")
+        for i, prompt in enumerate(prompts):
+            n = len(run.encode(prompt))
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            if n + max_new_tokens > cfg.max_seq_len:
+                raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed model.max_seq_len="
+                                  f"{cfg.max_seq_len} ({position} positions: lengths the model is not sized for); "
+                                  f"allowed: <= {max(cfg.max_seq_len - n, 0)}, or --extrapolate to generate past it",
+                                  field="--max-new-tokens")
     field = "prompt" if len(prompts) == 1 else "--prompts"
     for i, prompt in enumerate(prompts):
         n = len(run.encode(prompt))
