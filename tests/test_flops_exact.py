@@ -194,3 +194,32 @@ def test_training_flops_are_three_forwards(mixer):
         m(x).float().square().mean().backward()
     assert step.get_total_flops() == 3 * fwd.get_total_flops()
     assert train_flops_per_token(m, 16) == 3 * m.flops_per_token(16)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_recurrent_flops_convention_partial_chunk_and_inference(name):
+    """The convention the training and the inference counts share (docs/benchmarks.md, "FLOPs convention"): one
+    figure, the chunkwise training forward per token at whole chunks. A padded last chunk (T not a multiple of the
+    chunk) is implementation work, not model FLOPs: it adds at most the padded tokens' own cost, and nothing at whole
+    chunks. Under no_grad the same matmuls run, except the delta-rule family's (deltanet, gated_deltanet, rwkv7)
+    chunk solve, which solves directly instead of forming the inverse: fewer FLOPs than the shared figure."""
+    m, mixer = mixer_of(RECURRENT[name])
+    L = 20
+    C = min(mixer.chunk_size, L)
+    pad = -L % C
+    counted = {}
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), counter() as fc:
+            mixer(_inputs(m, L, requires_grad=grad), positions=torch.arange(L))
+        counted[grad] = fc.get_total_flops()
+    delta = "delta" in name or name.startswith("rwkv7")
+    shared = mixer.flops_per_token(L) * L
+    training = counted[True] + (mixer.n_v_heads * C * C / 3 * (L + pad) if delta else 0)  # the unseen inverse
+    if pad == 0:
+        assert training == pytest.approx(shared, rel=1e-12)
+    else:
+        assert shared < training <= shared + pad * mixer.flops_per_token(L)
+    if delta:
+        assert counted[False] < counted[True]  # no inverse, no multiply by it: the shared figure is an upper bound
+    else:
+        assert counted[False] == counted[True]
