@@ -281,3 +281,18 @@ def test_coordinate_check(tmp_path):
         exps = result["standard"]["exponents"][size]
         assert sum(exps) / len(exps) > 0.5 and not result["standard"]["flat"][size], (size, exps)
     assert (tmp_path / "mup_coord.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS.names()))
+def test_roles_do_not_depend_on_the_widths_compared(mixer):
+    """A parameter's µP role is what the parameter is, at every width (issue 43 item 4: RWKV-7's default LoRA ranks
+    followed d_model, so between d 256 and 512 its up-projections turned hidden - learning rate / m, init / sqrt(m) -
+    while at 128 vs 256 they were not). Roles built on the meta device at widths 64..1024, base 64."""
+    seen = {}
+    for width in (64, 128, 256, 512, 1024):
+        with torch.device("meta"):
+            model = DecoderLM(tiny_model_cfg(mixer=mixer, d_model=width, n_heads=4, parametrization="mup",
+                                             mup_base_width=64), vocab_size=V)
+        seen[width] = mup.roles(model)
+    for width, roles in seen.items():
+        assert roles == seen[64], (width, {k: (v, seen[64].get(k)) for k, v in roles.items() if seen[64].get(k) != v})

@@ -68,7 +68,8 @@ class RWKV7Config:
     head_dim: Optional[int] = None  # d_k of r, k (null: model head_dim; fla's layer: 64)
     v_head_dim: Optional[int] = None  # d_v (null: head_dim)
     # the LoRAs' ranks; null: fla's max(32, round(2.5 sqrt(d_model) d_k / 64 / 32) * 32) for w and a,
-    # max(32, round(5 sqrt(d_model) / 32) * 32) for the gate
+    # max(32, round(5 sqrt(d_model) / 32) * 32) for the gate; with model.mup_base_width set, that width's d_model
+    # and d_k at every width (µP: a fixed rank, so a LoRA's role does not depend on the widths compared)
     decay_low_rank_dim: Optional[int] = None
     a_low_rank_dim: Optional[int] = None
     gate_low_rank_dim: Optional[int] = None
@@ -87,6 +88,11 @@ class RWKV7Config:
     def ranks(self, model) -> tuple[int, int, int]:
         """(decay, learning-rate, gate) LoRA ranks, fla's defaults where null."""
         d, dk = model.d_model, self.head_dim or model.head_dim
+        base = getattr(model, "mup_base_width", None)
+        if base:  # the base width's defaults (its d_k: model.head_dim scales with d_model where it tiles it)
+            if self.head_dim is None and model.head_dim * model.n_heads == d:
+                dk = dk * base // d
+            d = base
         fla = lambda c, f: max(32, int(round(c * d**0.5 * f / 32) * 32))  # noqa: E731
         return (self.decay_low_rank_dim or fla(2.5, dk / 64), self.a_low_rank_dim or fla(2.5, dk / 64),
                 self.gate_low_rank_dim or fla(5.0, 1.0))

@@ -44,10 +44,10 @@ def width_multiplier(cfg: Any) -> float:
 def delta_config(cfg: Any) -> Any:
     """The model config at twice the width, standard parametrization: what `fan_in_grows` compares shapes with.
     model.head_dim grows with d_model when it tiles it (head_dim x n_heads = d_model, its default d_model / n_heads);
-    a head size set apart from the width stays."""
+    a head size set apart from the width stays. model.mup_base_width is kept: sizes derived from the base width
+    (RWKV-7's default LoRA ranks) are the same in both models, so no role depends on which widths are compared."""
     head_dim = 2 * cfg.head_dim if cfg.head_dim * cfg.n_heads == cfg.d_model else cfg.head_dim
-    return dataclasses.replace(cfg, d_model=2 * cfg.d_model, head_dim=head_dim, parametrization="standard",
-                               mup_base_width=None)
+    return dataclasses.replace(cfg, d_model=2 * cfg.d_model, head_dim=head_dim, parametrization="standard")
 
 
 def fan_in_grows(model: nn.Module, delta: nn.Module) -> list[str]:
