@@ -317,17 +317,32 @@ def test_low_disk_is_refused_before_work(tmp_path, monkeypatch):
 
 
 def test_disk_full_during_the_run_is_one_line(tmp_path, monkeypatch):
-    """ENOSPC while writing a checkpoint: one line naming the output dir and how to resume, no traceback."""
-    import errno
+    """A full disk while writing a checkpoint: torch's own zip writer fails (its RuntimeError "unexpected pos", as on
+    a real full tmpfs; here the temp file's descriptor is /dev/full, which answers every write with ENOSPC): one line
+    naming the file and how to resume, no traceback, no temp file left behind."""
+    import os
+    import tempfile
 
-    from attnzoo.training.checkpoint_io import AtomicCheckpointIO
+    import attnzoo.training.checkpoint_io as cio
 
-    def full(self, checkpoint, path, storage_options=None):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    made, mkstemp = [], tempfile.mkstemp
 
-    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", full)
-    with pytest.raises(ConfigError, match=r"^paths.output_dir: no space left writing .*last.ckpt .*--resume") as e:
+    def onto_dev_full(dir=None, prefix=None, suffix=None):
+        fd, tmp = mkstemp(dir=dir, prefix=prefix, suffix=suffix)
+        os.close(fd)
+        made.append(tmp)
+        return os.open("/dev/full", os.O_WRONLY), tmp
+
+    monkeypatch.setattr(cio.tempfile, "mkstemp", onto_dev_full)
+    monkeypatch.setattr(cio, "free_bytes", lambda folder: 1 << 20)  # what the filled disk has left
+    with pytest.raises(ConfigError, match=r"^paths.output_dir: no space left writing .*\.ckpt \(No space left on "
+                       r"device\); no checkpoint was complete yet; allowed: free space, then start the run again$") as e:
         train(compose_cfg(FAST, tmp_path / "run"))
+    assert "\n" not in str(e.value) and made and not any(os.path.exists(t) for t in made)
+    # the same failure with space left is another write failure: one line too
+    monkeypatch.setattr(cio, "free_bytes", lambda folder: 1 << 39)
+    with pytest.raises(ConfigError, match=r"^paths.output_dir: could not write .*\.ckpt \(write failed: ") as e:
+        train(compose_cfg(FAST, tmp_path / "run2"))
     assert "\n" not in str(e.value)
 
 
@@ -438,3 +453,29 @@ def test_a_mixers_own_size_below_one_is_refused_for_every_mixer(key, value):
             resolve_model({"d_model": 32, "n_heads": 4, "mixer": {"name": name, key: value}})
         assert str(e.value) == (f"model.layers[0].mixer.{key}: got {value}; allowed: an integer >= 1, or null "
                                 f"(the model's)"), (name, str(e.value))
+
+
+def test_disk_full_after_a_checkpoint_keeps_it_and_names_the_resume(tmp_path, monkeypatch):
+    """The disk fills after the first checkpoint: the CLI's one line says the last complete checkpoint is kept and
+    how to resume, and the run dir is left in place (was: removed with the refused-run clean-up)."""
+    import errno
+
+    from attnzoo.cli.train import main as cli_main
+    from attnzoo.training.checkpoint_io import AtomicCheckpointIO
+
+    save, calls = AtomicCheckpointIO.save_checkpoint, []
+
+    def second_fails(self, checkpoint, path, storage_options=None):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", second_fails)
+    out = tmp_path / "run"
+    monkeypatch.setattr("sys.argv", ["attnzoo-train", *FAST, "trainer.max_steps=4",
+                                     "callbacks.checkpoint_every_n_steps=2", f"hydra.run.dir={out}"])
+    with pytest.raises(SystemExit) as e:
+        cli_main()
+    assert e.value.code == 2 and len(calls) == 2
+    assert (out / "checkpoints").is_dir() and [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]

@@ -55,7 +55,7 @@ def _run_job(cfg: DictConfig) -> float | None:
     """One Hydra job: train(cfg), with the CLI's refusals and the multirun rules above."""
     # Lightning's import (~6 s on a 2-core machine) comes after the command line's own checks and the config's
     # (preflight: torch only), so a refused option, key or value is reported before it
-    from attnzoo.training.rundir import is_new_run_dir, remove_new_run_dir
+    from attnzoo.training.rundir import holds_checkpoints, is_new_run_dir, remove_new_run_dir
 
     try:
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -90,7 +90,7 @@ def _run_job(cfg: DictConfig) -> float | None:
             close_process_group()
     except (ConfigError, FileNotFoundError) as e:
         if not multirun:
-            if new_dir:
+            if new_dir and not holds_checkpoints(out):  # a fault mid-run (a full disk) keeps what it saved
                 remove_new_run_dir(out)
             print(f"attnzoo: error: {e}", file=sys.stderr)
             sys.exit(2)

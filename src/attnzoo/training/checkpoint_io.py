@@ -1,8 +1,12 @@
 """Checkpoint safety: atomic writes and a clear one-line error for unreadable checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
+import re
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -16,6 +20,26 @@ from attnzoo.config.paths import follow_umask
 from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded, verify_sharded
 
 
+# torch's zip writer reports a failed write (a full disk among them) as a RuntimeError of its own, not an OSError:
+# "[enforce fail at inline_container.cc:672] . unexpected pos 71017600 vs 71017488", "... file write failed"
+_WRITER_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed")
+FULL_BELOW = 64 << 20  # free bytes under which a failed write is taken for a full disk (config_checks.MIN_FREE_BYTES)
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def write_failure(e: RuntimeError, path: Path) -> OSError | None:
+    """torch.save's failed write as the OSError it is (ENOSPC where the filesystem is out of space, else EIO), for
+    the run's one-line report (training/run.py); None for any other RuntimeError."""
+    if not _WRITER_FAILED.search(str(e)):
+        return None
+    if free_bytes(path.parent) < FULL_BELOW:
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+    return OSError(errno.EIO, f"write failed: {str(e).strip().splitlines()[0][:160]}", str(path))
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write to a temp file in the same folder, fsync, then `os.replace` onto the target: a process killed
     mid-write leaves the previous checkpoint intact (and a stray `.tmp`, removed by the next successful
@@ -27,10 +51,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             follow_umask(fd)  # mkstemp's 0600 would make the checkpoint unreadable to the group (shared filesystems)
-            with os.fdopen(fd, "wb") as f:
+            f = os.fdopen(fd, "wb")
+            try:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            except (RuntimeError, OSError) as e:
+                with contextlib.suppress(OSError):  # the buffered rest may fail again as the file closes
+                    f.close()
+                # torch's writer failing (a full disk among the causes) as the OSError it is, with the file named;
+                # the free space is read while the partial temp file still holds it
+                failure = write_failure(e, path) if isinstance(e, RuntimeError) else (
+                    OSError(e.errno, e.strerror, str(path)) if e.filename is None else None)
+                if failure is None:
+                    raise
+                raise failure from e
+            f.close()
             os.replace(tmp, path)
             # temp files of writes that a killed process left behind are garbage now
             for stale in path.parent.glob(f".{path.name}.*.tmp"):

@@ -70,9 +70,15 @@ def train(cfg: DictConfig, on_accept=None) -> dict:
         with run_dir_lock(out), console:  # one live run per run dir (refused in one line before anything is written)
             return _train(cfg, parts, out, t_start, accepted)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk filled up during the run: one line, not a traceback
-            raise ConfigError(f"no space left writing {e.filename or out} ({e.strerror}); the last complete "
-                              f"checkpoint is kept; allowed: free space, then resume with --resume {out}",
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) and (e.errno != errno.EIO or e.filename):
+            # the disk filled up during the run (or a checkpoint write failed otherwise): one line, not a traceback
+            from attnzoo.training.rundir import holds_checkpoints
+
+            what = "no space left writing" if e.errno != errno.EIO else "could not write"
+            then = (f"the last complete checkpoint is kept; allowed: free space, then resume with --resume {out}"
+                    if holds_checkpoints(out) else "no checkpoint was complete yet; allowed: free space, then start "
+                    "the run again")
+            raise ConfigError(f"{what} {e.filename or out} ({e.strerror}); {then}",
                               field="paths.output_dir") from e
         raise
 

@@ -100,6 +100,12 @@ def is_new_run_dir(out: Path) -> bool:
     return all(p.name == "train.log" and p.is_file() and p.stat().st_size == 0 for p in out.iterdir())
 
 
+def holds_checkpoints(out: Path) -> bool:
+    """Whether the run dir holds a checkpoint (a .ckpt file or a sharded checkpoint folder; not a temp file)."""
+    folder = Path(out) / "checkpoints"
+    return folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir())
+
+
 def remove_new_run_dir(out: Path) -> None:
     """A run refused before any work in a dir created for it (`is_new_run_dir` before it started): nothing of
     it is left, not the dir (outputs/<task>/<time>) and not the parents it leaves empty up to the working
