@@ -156,7 +156,8 @@ SLOW_TESTS = (
     "test_gpu_check.py::test_the_spawned_worker", "test_static_kv_formats.py::test_aot_autograd",
     "test_dispatch.py::test_probes_never_import", "test_dispatch.py::test_gpu_check_harness",
     "test_help.py::test_help_of_the_hydra", "test_hf_io.py::test_init_from_trains",
-    "test_kv_quant.py::test_eval_says",
+    "test_kv_quant.py::test_eval_says", "test_bad_input.py::test_every_sweeps_grid",
+    "test_bad_input.py::test_disk_full_after_a_checkpoint", "test_lean_imports.py::test_validation_modules",
 )
 
 

@@ -479,3 +479,74 @@ def test_disk_full_after_a_checkpoint_keeps_it_and_names_the_resume(tmp_path, mo
         cli_main()
     assert e.value.code == 2 and len(calls) == 2
     assert (out / "checkpoints").is_dir() and [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]
+
+
+def test_sharded_save_on_a_full_disk_reaches_the_cli_as_one_line(tmp_path, monkeypatch):
+    """trainer=fsdp on a full disk (checked by hand on a 100 MiB tmpfs: one line, no .tmp folder, the last complete
+    checkpoint kept): DCP's CheckpointException quoting each rank's writer failure reads as ENOSPC, and the worker's
+    one line reaches the launcher as the run's (was: four tracebacks and "DDP worker rank 1 exited")."""
+    import errno
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import attnzoo.training.checkpoint_io as cio
+    from attnzoo.training.launch import read_worker_error, write_worker_error
+
+    monkeypatch.setattr(cio, "free_bytes", lambda folder: 0)
+    writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    folder = tmp_path / "last.ckpt.shards-0000003-abc"
+    failure = cio.write_failure(CheckpointException("save", {0: (writer, None), 1: (writer, None)}), folder)
+    assert (failure.errno, failure.filename) == (errno.ENOSPC, str(folder))
+    assert cio.write_failure(RuntimeError("a shape mismatch"), folder) is None  # not a write: raised as it is
+    job = tmp_path / "launch" / "job.yaml"
+    job.parent.mkdir()
+    line = ConfigError("no space left writing x (No space left on device); ...", field="paths.output_dir")
+    for rank in ("0", "1"):  # every rank reports alike
+        monkeypatch.setenv("RANK", rank)
+        write_worker_error(job, line)
+    got = read_worker_error(job, 1)
+    assert isinstance(got, ConfigError) and str(got) == str(line) and got.field == "paths.output_dir"
+    assert not list(Path(job.parent).glob("*.error.json")) and read_worker_error(job, 0) is None
+
+
+def _sweep_config(name: str, extra: list):
+    """sweeps/NAME's multirun config as Hydra hands it to the callbacks (its grid in hydra.sweeper.params)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from attnzoo.cli.sweep import hydra_argv
+    from attnzoo.config.paths import CONF_DIR
+
+    argv = [a for a in hydra_argv(name, ["debug=smoke", *extra]) if a != "-m"]
+    GlobalHydra.instance().clear()
+    initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
+    return compose(config_name="train", overrides=argv, return_hydra_config=True)
+
+
+def test_every_sweeps_grid_passes_and_a_bad_grid_value_is_refused_before_any_job():
+    """The grid check (cli/sweep.check_grid, before the first job): every named sweep's grid passes (no false
+    refusal), and a value a job would refuse - a negative budget, a mixer pattern naming no mixer - is one line
+    naming the grid's key and value (was: the jobs before it ran, then that one failed)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from attnzoo.cli.sweep import available, check_grid
+
+    try:
+        for name in available():
+            cfg = _sweep_config(name, [])
+            HydraConfig.instance().set_config(cfg)
+            if cfg.data.name == "shards" and not cfg.data.get("path"):  # the user's prepared corpus (lm_125m, ...):
+                # without one every job would stop, so the sweep does, before its first job
+                assert check_grid(cfg).startswith("data.path: is required with data=shards"), name
+                continue
+            assert check_grid(cfg) is None, name
+        cfg = _sweep_config("scaling", [])
+        with open_dict(cfg):  # the sweep file's grid with a negative budget
+            cfg.hydra.sweeper.params["trainer.max_flops"] = "1e9,-5"
+        assert check_grid(cfg) == ("trainer.max_flops: must be positive or null, got -5.0 (the grid's "
+                                   "trainer.max_flops=-5: no job has run)")
+    finally:
+        GlobalHydra.instance().clear()

@@ -158,6 +158,14 @@ def test_bench_options_refused_before_the_benchmark_runs(argv, line, tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["f.txt"])
 
 
+def test_bench_train_with_an_unknown_mixer_is_one_line(tmp_path, capsys):
+    """attnzoo-bench train --mixer nope (and any attnzoo.load_config caller): the CLI's one line, not Hydra's
+    MissingConfigException with its search path; nothing written."""
+    got = refused(capsys, bench_cli.main, ["--out", str(tmp_path / "bench"), "train", "--quick", "--mixer", "nope"])
+    assert got.startswith("attnzoo-bench train: error: model/mixer: unknown option 'nope'; allowed: deltanet, "), got
+    assert not (tmp_path / "bench").exists()
+
+
 @pytest.mark.parametrize("argv, line", [
     (["experiment=mqar", "model/mixer=gated_deltanet", "model.mixer.use_gate=true"],
      "model.mixer.use_gate: every layer (gated_deltanet) takes its settings from model.mixers.gated_deltanet (the "

@@ -293,3 +293,36 @@ def test_manifest_records_each_splits_longest_document(tmp_path, tokenizer_file)
     for split in ("train", "val"):
         items = read_items(tmp_path / "out" / split, manifest["dtype"])
         assert items and manifest["splits"][split]["max_document_tokens"] == max(len(a) for a in items)
+
+
+def test_full_disk_and_a_second_prepare_are_one_line(tmp_path, capsys, monkeypatch, tokenizer_file):
+    """A full disk while a part is written (checked by hand on an 8 MiB tmpfs, then completed by the same command
+    after a remount to 64 MiB): one line, the unfinished part removed, the finished parts kept for the rerun. A second
+    prepare into a folder another process is writing (its lock held): refused in one line, nothing touched."""
+    import errno
+
+    from filelock import FileLock
+
+    make_corpus(tmp_path / "src", n=20)
+    out = tmp_path / "out"
+    optimize = prep._optimize
+
+    def fills_the_disk(encoder, units, dest, o):
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "chunk-0-0.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prep, "_optimize", fills_the_disk)
+    args = ["prepare", str(tmp_path / "src"), str(out), "--tokenizer-file", str(tokenizer_file), "--vocab-size", "300",
+            "--quiet"]
+    line = refused(capsys, args)
+    assert line == (f"OUT: no space left writing {out} (No space left on device); 0 of 1 parts are finished and "
+                    f"kept in {out}/.work; allowed: free space, then the same command again to complete it"), line
+    assert not list((out / ".work").glob("tmp-*")) and (out / ".work" / "plan.json").is_file()
+    monkeypatch.setattr(prep, "_optimize", optimize)
+    with FileLock(str(out / ".work" / ".lock")):  # another process at work on OUT
+        line = refused(capsys, args)
+    assert line == (f"OUT: {out} is being prepared by another process (its lock {out}/.work/.lock is held); "
+                    f"allowed: wait for it to finish (a rerun then finds it prepared), or another OUT"), line
+    main(args)  # the rerun completes it
+    assert read_manifest(out)["splits"]["train"]["documents"] > 0 and not (out / ".work").exists()

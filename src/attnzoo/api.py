@@ -22,8 +22,13 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "train") -> Di
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from attnzoo.config.errors import ConfigError
+    from attnzoo.config.overrides import check_group_overrides
     from attnzoo.config.paths import CONF_DIR
 
+    bad = check_group_overrides(list(overrides))  # `model/mixer=nope`: one line, not Hydra's MissingConfigException
+    if bad is not None:
+        raise ConfigError(bad)
     gh = GlobalHydra.instance()
     if gh.is_initialized():
         gh.clear()

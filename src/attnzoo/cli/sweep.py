@@ -27,10 +27,12 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 from attnzoo.config.paths import sweeps_dir
@@ -94,11 +96,12 @@ class SweepTally(Callback):
 
 
 class SearchSpaceCheck(Callback):
-    """Before a multirun starts (nothing written yet): an Optuna study that cannot be sampled is refused in
-    one line, exit status 2, instead of a traceback from inside the sweeper (or, for zero trials, after it)."""
+    """Before a multirun starts (nothing written yet): an Optuna study that cannot be sampled, or a grid with a value
+    a job would refuse (check_grid), is refused in one line, exit status 2, instead of a traceback from inside the
+    sweeper (or, for zero trials, after it) or jobs that run before the bad one fails."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        problem = check_search_space(config.hydra.sweeper, list(config.hydra.overrides.task))
+        problem = check_search_space(config.hydra.sweeper, list(config.hydra.overrides.task)) or check_grid(config)
         if problem:
             print(f"attnzoo: error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
@@ -149,6 +152,78 @@ def check_search_space(sweeper, task_overrides: list[str]) -> str | None:
             create_optuna_distribution_from_override(o)
         except Exception as e:  # noqa: BLE001 - Optuna's ValueError / the sweeper's assertions
             return f"{field}: {given} cannot be sampled by Optuna ({str(e).strip().splitlines()[0] or type(e).__name__})"
+    return None
+
+
+def check_grid(config) -> str | None:
+    """A grid sweep (Hydra's basic sweeper) whose values include one that a job would refuse (a negative or
+    non-numeric budget, an unknown mixer name in a pattern): one line naming the key and the value, before any job
+    runs (was: the jobs before it ran, then that one failed). Each grid key's values are checked one at a time with
+    the other keys at their first value (the sum of the grid's sizes, not its product, in composed configs).
+    None for other sweepers, or when a job config cannot be composed here (Hydra then reports it as usual)."""
+    if "basicsweeper" not in str(config.hydra.sweeper.get("_target_", "")).lower():
+        return None
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    lines += [o for o in config.hydra.overrides.task if "=" in o]
+    grid: dict[str, list[str]] = {}  # every job's overrides, as the basic sweeper builds them: key -> its values
+    try:
+        for o in OverridesParser.create().parse_overrides(lines):  # the command line's values win per key
+            key = o.get_key_element()
+            grid.pop(key, None)
+            grid[key] = ([(str(v), t) for v, t in zip(o.sweep_string_iterator(), o.sweep_iterator())]
+                         if o.is_sweep_override() else [(o.input_line, None)])
+        loader = GlobalHydra.instance().config_loader()
+    except Exception:  # noqa: BLE001 - a grid Hydra cannot enumerate: its own report
+        return None
+    line = lambda k, v: v if v.startswith(f"{k}=") else f"{k}={v}"  # noqa: E731 - a fixed override: as given
+    first = {k: line(k, v[0][0]) for k, v in grid.items()}
+    try:
+        return _first_refused(config, loader, grid, first, line)
+    finally:
+        HydraConfig.instance().set_config(config)  # the multirun's own, for the sweeper
+
+
+def _first_refused(config, loader, grid: dict, first: dict, line) -> str | None:
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    from attnzoo.config.errors import ConfigError
+    from attnzoo.training.config_checks import validate
+
+    def job_config(overrides: list):
+        cfg = loader.load_sweep_config(config, overrides)
+        with open_dict(cfg):  # what the launcher sets for each job (its number and directory)
+            cfg.hydra.job.num, cfg.hydra.job.id = 0, "grid_check"
+            cfg.hydra.runtime.output_dir = str(Path(tempfile.gettempdir()) / "attnzoo-grid-check")
+        return cfg
+
+    # the first job, then each swept key's other values with the rest at their first: a plain key's value set on a
+    # copy of the first job's config when it is a number, anything else (a config group, a string, a list) composed
+    checks = [(None, None, None)] + [(key, text, typed) for key, values in grid.items() for text, typed in values[1:]]
+    base = None
+    for key, text, typed in checks:
+        try:
+            plain = isinstance(typed, (int, float)) and "/" not in key and not key.startswith(("+", "~"))
+            if key is None or not plain:
+                cfg = job_config([*(o for k, o in first.items() if k != key)] + ([line(key, text)] if key else []))
+                base = cfg if key is None else base
+            else:
+                cfg = copy.deepcopy(base)
+                with open_dict(cfg):
+                    OmegaConf.update(cfg, key, typed, merge=False)
+            HydraConfig.instance().set_config(cfg)  # as the launcher does for a job: ${hydra:...} resolves
+            validate(cfg)
+        except ConfigError as e:
+            where = f"the grid's {key}={text}" if key is not None else "the first job"
+            return f"{e} ({where}: no job has run)"
+        except Exception:  # noqa: BLE001 - not composable or not checkable here: the job reports it
+            if base is None:
+                return None
+            continue
     return None
 
 

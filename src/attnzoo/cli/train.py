@@ -26,6 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attnzoo.config.errors import ConfigError
+from attnzoo.config.overrides import check_group_overrides  # noqa: F401 (re-exported: tests, sweep.py)
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
 from attnzoo.config.schema import parse_pattern
 from attnzoo.training.launch import launched_externally
@@ -159,26 +160,6 @@ def resume_argv(argv: list[str]) -> list[str]:
         own.insert(0, f"hydra.searchpath=[file://{sweeps_dir().parent}]")
     rest = argv[:i] + argv[i + 2:]
     return [*map(str, own), *rest, f"hydra.run.dir={run_dir}", "ckpt_path=last"]
-
-
-def check_group_overrides(args: list[str]) -> str | None:
-    """One-line error for `group=option` overrides naming an option that does not exist (before Hydra's
-    multi-line report). Handles `a,b` multirun lists; leaves sweep functions and `+`/`~` forms to Hydra."""
-    for arg in args:
-        if "=" not in arg or arg.startswith(("-", "+", "~", "hydra")):
-            continue
-        key, value = arg.split("=", 1)
-        key = key.removeprefix("override ").strip()
-        group_dir = CONF_DIR / key
-        if not group_dir.is_dir() or "(" in value:
-            continue
-        allowed = sorted(p.stem for p in group_dir.glob("*.yaml"))
-        # `logger=[csv,tensorboard]`: several options of one group at once (Hydra's list syntax)
-        for option in value.strip().removeprefix("[").removesuffix("]").split(","):
-            option = option.strip()
-            if option and option != "null" and option not in allowed:
-                return f"{key}: unknown option {option!r}; allowed: {', '.join(allowed)}"
-    return None
 
 
 def first_job_override(arg: str) -> str | None:

@@ -15,9 +15,18 @@ def main() -> None:
 
     if os.environ.get(LAUNCHER_ENV):  # first: a worker never outlives its launcher (no orphan after a SIGKILL)
         die_with_parent(int(os.environ[LAUNCHER_ENV]))
+    from attnzoo.config.errors import ConfigError
     from attnzoo.training.run import train
 
-    train(OmegaConf.load(sys.argv[1]))
+    try:
+        train(OmegaConf.load(sys.argv[1]))
+    except ConfigError as e:  # a fault every rank reports alike (a full disk): one line, handed to the launcher
+        from attnzoo.training.launch import write_worker_error
+
+        write_worker_error(sys.argv[1], e)
+        if not (os.environ.get(LAUNCHER_ENV) and os.environ.get("RANK") == "0"):  # rank 0's launcher says it
+            print(f"attnzoo: error: {e}", file=sys.stderr)  # (the other ranks' stderr is their launch/ log)
+        sys.exit(2)
     close_process_group()
 
 

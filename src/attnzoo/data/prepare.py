@@ -14,6 +14,8 @@ OUT/train and OUT/val under one index.json each, tokenizer.json is copied, and m
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -312,7 +314,9 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
         return done
     field = f"--tokenizer-{o.tokenizer}" if given else "--tokenizer"
     plan_path = work / "plan.json"
+    held = contextlib.ExitStack()  # the folder's lock, from the first write to the end (a second prepare: refused)
     if plan_path.is_file():
+        held.enter_context(sole_writer(out, work))
         plan = json.loads(plan_path.read_text())
         _same(plan["settings"], settings, out)
         tok = load_tokenizer(work / "tokenizer.json", field)
@@ -322,6 +326,7 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
             eos_of(tok, given, o, field)
             dtype_for(vocab_size_of(tok))  # refused before any work
         work.mkdir(parents=True, exist_ok=True)
+        held.enter_context(sole_writer(out, work))
         t0 = time.time()
         if tok is None:
             if o.progress:
@@ -339,8 +344,20 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
     eos = eos_of(tok, given or tok_path, o, field) if given or o.eos_token else tok.token_to_id(SPECIALS[0])
     vocab = vocab_size_of(tok)
     dtype = dtype_for(vocab)
-    stats = _run_parts(plan, str(tok_path), work, o, dtype, eos)
-    manifest = _finish(out, work, plan, source, o, dtype, eos, vocab)
+    with held:
+        try:
+            stats = _run_parts(plan, str(tok_path), work, o, dtype, eos)
+            manifest = _finish(out, work, plan, source, o, dtype, eos, vocab)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # a full disk: the unfinished part and merge removed, the finished parts kept for a rerun to resume
+            for stray in [*work.glob("tmp-*"), work / "merged"]:
+                shutil.rmtree(stray, ignore_errors=True)
+            done_parts = sum(1 for k in range(len(plan["parts"])) if (work / "parts" / str(k)).is_dir())
+            raise ConfigError(f"no space left writing {e.filename or out} ({e.strerror}); {done_parts} of "
+                              f"{len(plan['parts'])} parts are finished and kept in {work}; allowed: free space, then "
+                              f"the same command again to complete it", field="OUT") from None
     if o.progress:
         n_tok = sum(s["tokens"] for s in manifest["splits"].values())
         secs = max(stats["seconds"], 1e-9)
@@ -353,6 +370,24 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
               f"tokens/s ({o.num_workers} workers; {n_tok:,} tokens in OUT); peak RSS {rss:,.0f} MB "
               f"(largest worker {kids:,.0f} MB)")
     return manifest
+
+
+@contextlib.contextmanager
+def sole_writer(out: Path, work: Path):
+    """OUT/.work/.lock held while this process writes OUT: a second prepare into the same folder is refused in one
+    line (was: a crash, and a stray .work/tmp-0/ left). An OS file lock: released when the holder dies (a kill)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(work / ".lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(f"{out} is being prepared by another process (its lock {work / '.lock'} is held); allowed: "
+                          f"wait for it to finish (a rerun then finds it prepared), or another OUT", field="OUT") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _run_parts(plan: dict, tok_path: str, work: Path, o: PrepareOptions, dtype: str, eos: int) -> dict:

@@ -30,10 +30,13 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def write_failure(e: RuntimeError, path: Path) -> OSError | None:
-    """torch.save's failed write as the OSError it is (ENOSPC where the filesystem is out of space, else EIO), for
-    the run's one-line report (training/run.py); None for any other RuntimeError."""
-    if not _WRITER_FAILED.search(str(e)):
+def write_failure(e: BaseException, path: Path) -> OSError | None:
+    """torch.save's failed write (or a distributed checkpoint's, whose CheckpointException quotes each rank's) as the
+    OSError it is (ENOSPC where the filesystem is out of space, else EIO), for the run's one-line report
+    (training/run.py); None for any other error."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(e.errno, e.strerror, str(path))
+    if not _WRITER_FAILED.search(str(e)) and "No space left" not in str(e):
         return None
     if free_bytes(path.parent) < FULL_BELOW:
         return OSError(errno.ENOSPC, "No space left on device", str(path))

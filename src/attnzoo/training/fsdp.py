@@ -63,7 +63,19 @@ class FSDPStrategy(ModelParallelStrategy):
         tag = self.broadcast(f"{int(checkpoint.get('global_step', 0)):07d}-{uuid.uuid4().hex[:8]}")
         folder = path.parent / f"{path.name}.shards-{tag}"
         tmp = folder.with_name(folder.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)  # every rank its shards, rank 0 meta.pt
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)  # every rank its shards, rank 0 meta.pt
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            # DCP gathers every rank's result, so each rank sees a failed write (a full disk: torch's writer error in
+            # each rank's shard): the unfinished folder removed, the failure one OSError for the one-line report
+            from attnzoo.training.checkpoint_io import write_failure
+
+            failure = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else write_failure(e, folder)
+            if self.global_rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if failure is None:
+                raise
+            raise failure from e
         self.barrier("attnzoo.fsdp.save")
         if self.global_rank == 0:
             os.replace(tmp, folder)  # complete: give it its final name, then point the link at it

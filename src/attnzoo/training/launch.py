@@ -149,8 +149,40 @@ def launch_workers(container: dict, out: Path, n: int, timeout: float | None = N
             _stop(procs)
     if failed:
         rank, code = failed
+        reported = read_worker_error(job, rank)
+        if code == 2 and reported is not None:  # the worker's own one-line error (cli/worker.py): the run's
+            raise reported
         where = logs[rank] if rank >= 0 and logs[rank] else "the output above"
         raise RuntimeError(f"DDP worker rank {rank} exited with code {code}; see {where}")
+
+
+def _error_file(job, rank: int) -> Path:
+    return Path(job).parent / f"rank{rank}.error.json"
+
+
+def write_worker_error(job, e) -> None:
+    """A worker's ConfigError (field, message) beside its job file, for the launcher to report as the run's."""
+    import json
+
+    rank = int(os.environ.get("RANK", "0"))
+    _error_file(job, rank).write_text(json.dumps({"field": e.field, "message": str(e)}))
+
+
+def read_worker_error(job, rank: int):
+    """The ConfigError worker `rank` wrote, or None."""
+    import json
+
+    from attnzoo.config.errors import ConfigError
+
+    path = _error_file(job, rank)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for other in path.parent.glob("rank*.error.json"):  # every rank reported alike: read once
+        other.unlink(missing_ok=True)
+    message = data["message"].removeprefix(f"{data['field']}: ") if data.get("field") else data["message"]
+    return ConfigError(message, field=data.get("field"))
 
 
 @contextlib.contextmanager
