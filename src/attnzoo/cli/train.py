@@ -52,6 +52,20 @@ def main() -> None:
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
 
 
+def _die_with_the_sweep() -> None:
+    """In a sweep's worker process (the parallel launcher's loky workers): the kernel kills this worker when the
+    sweep process ends, SIGKILL included (issue 43 item 7: they outlived a SIGKILLed attnzoo-sweep; SIGTERM and
+    Ctrl-C already stop them, cli/sweep._stop_everything). A job's DDP workers die with it in turn
+    (training/launch.py). Nothing in the sweep's own process (hydra/launcher=basic)."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None and "Loky" not in multiprocessing.current_process().name:
+        return
+    from attnzoo.distributed.processes import die_with_parent
+
+    die_with_parent(os.getppid())
+
+
 def _run_job(cfg: DictConfig) -> float | None:
     """One Hydra job: train(cfg), with the CLI's refusals and the multirun rules above."""
     # Lightning's import (~6 s on a 2-core machine) comes after the command line's own checks and the config's
@@ -64,6 +78,7 @@ def _run_job(cfg: DictConfig) -> float | None:
         multirun = False
     target = cfg.get("optimized_metric") or "val/loss"
     if multirun:
+        _die_with_the_sweep()
         # a sweep rerun into the same sweep dir: finished jobs are skipped, interrupted ones resume
         out = Path(cfg.paths.output_dir)
         if _previous_status(out) == "ok":
