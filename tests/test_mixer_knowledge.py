@@ -142,7 +142,9 @@ def test_each_transformers_layer_has_one_mixer_class():
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_a_built_layer_agrees_with_its_class(name):
     entry = MIXERS.get(name)
-    model = DecoderLM(tiny_model_cfg(name, n_layers=1, max_seq_len=64), vocab_size=16)
+    # d_model 64 / 4 heads: a head size of 16, the least flex_attention takes (ops/dispatch.FLEX_MIN_HEAD_DIM), so
+    # that the default settings reach the class's fast family
+    model = DecoderLM(tiny_model_cfg(name, n_layers=1, max_seq_len=64, d_model=64, n_heads=4), vocab_size=16)
     mixer = model.mixers[0]
     assert type(mixer) is entry.cls
     assert mixer.dispatch_family() == entry.cls.kernel_family  # default settings: the fast kernel's family

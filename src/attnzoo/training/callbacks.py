@@ -28,11 +28,11 @@ def command_start() -> tuple[str, float]:
     import os
     import sys
 
-    import attnzoo
-
     argv0 = sys.argv[0] if sys.argv else ""
     if os.path.basename(argv0).startswith("attnzoo-") or f"attnzoo{os.sep}cli{os.sep}" in argv0:
-        return "command", attnzoo.STARTED
+        # the package, imported before any of its modules (read, not imported: attnzoo/__init__ imports the api,
+        # a layer above this one)
+        return "command", sys.modules["attnzoo"].STARTED
     return "train()", time.perf_counter()
 
 
