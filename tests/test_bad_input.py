@@ -548,5 +548,6 @@ def test_every_sweeps_grid_passes_and_a_bad_grid_value_is_refused_before_any_job
             cfg.hydra.sweeper.params["trainer.max_flops"] = "1e9,-5"
         assert check_grid(cfg) == ("trainer.max_flops: must be positive or null, got -5.0 (the grid's "
                                    "trainer.max_flops=-5: no job has run)")
-    finally:
+    finally:  # no Hydra state left for the next test in this worker (a run reads HydraConfig when it is set)
+        HydraConfig.instance().cfg = None
         GlobalHydra.instance().clear()

@@ -82,10 +82,12 @@ def test_ddp_cpu_two_processes(tmp_path):
 
 
 def test_multirun_ddp_jobs_are_isolated(tmp_path):
-    """3 jobs with trainer=ddp_cpu, the first one invalid: the others train, exactly 3 job dirs."""
+    """3 jobs with trainer=ddp_cpu, the first one failing at run time (lr 1e30 without clipping: a non-finite loss;
+    a value any job would refuse is refused before the first job instead): the others train, exactly 3 job dirs."""
     sweep = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
-                        "trainer.val_check_interval=2", "model.n_kv_heads=3,2,1", f"hydra.sweep.dir={sweep}"],
+    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=3",
+                        "trainer.val_check_interval=3", "trainer.gradient_clip_val=null", "optim.lr=1e30,3e-3,1e-3",
+                        f"hydra.sweep.dir={sweep}"],
                        env=ENV, capture_output=True, text=True, timeout=600)
     # the sweep runs every job, then exits non-zero because one failed
     assert r.returncode == 1 and "attnzoo: 2 ok, 1 failed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
@@ -93,10 +95,10 @@ def test_multirun_ddp_jobs_are_isolated(tmp_path):
     assert jobs == ["0", "1", "2"], jobs
     status = [json.loads((sweep / j / "summary.json").read_text())["status"] for j in jobs]
     assert status == ["failed", "ok", "ok"]
-    assert "n_kv_heads" in (sweep / "0" / "error.txt").read_text()
+    assert "DDP worker rank" in (sweep / "0" / "error.txt").read_text()  # its rank stopped on the non-finite loss
     for j in ("1", "2"):
         s = json.loads((sweep / j / "summary.json").read_text())
-        assert s["world_size"] == 2 and s["model"]["n_kv_heads"] == int(j == "1") + 1
+        assert s["world_size"] == 2 and s["config"]["optim"]["lr"] == {"1": 3e-3, "2": 1e-3}[j]
         assert len(list((sweep / j / "csv").glob("metrics.csv"))) == 1
     assert not (Path.cwd() / "outputs").exists() or not any((Path.cwd() / "outputs").glob("**/launch"))
 
