@@ -166,3 +166,14 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.stem in E2E_FILES or f"{path.name}::{item.name}".startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_hydra_state_left():
+    """A test that runs a sweep or composes a multirun config in process leaves Hydra's global HydraConfig set; a
+    later run in the same worker would read that sweep's overrides and output dir (model.init_from's override
+    check, the loggers' folders). Cleared after every test."""
+    yield
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None

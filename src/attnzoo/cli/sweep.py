@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # no sweep's config left for a later run in this process
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
