@@ -18,12 +18,13 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import follow_umask
 from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded, verify_sharded
+from attnzoo.training.config_checks import MIN_FREE_BYTES
 
 
 # torch's zip writer reports a failed write (a full disk among them) as a RuntimeError of its own, not an OSError:
 # "[enforce fail at inline_container.cc:672] . unexpected pos 71017600 vs 71017488", "... file write failed"
 _WRITER_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed")
-FULL_BELOW = 64 << 20  # free bytes under which a failed write is taken for a full disk (config_checks.MIN_FREE_BYTES)
+FULL_BELOW = MIN_FREE_BYTES  # free bytes under which a failed write is taken for a full disk (the preflight's floor)
 
 
 def free_bytes(folder: Path) -> int:
