@@ -3,6 +3,7 @@ overrides, train.log holds the console log, a refused run leaves no folder, the 
 steps, no advert / bogus FLOPs table / deprecation warning, and per-layer-kind heads in the summary line."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,6 +106,10 @@ def test_what_a_run_prints(tmp_path):
     assert "\r" not in log and "attnzoo run summary" in log and "attnzoo: training " in log
     assert "GPU available" in log  # Lightning's own logger lines too
     assert log.count("6/6") >= 1
+    # a command's wait for its first step counts from its first import (`python -m attnzoo.cli.train`: the process's
+    # __main__), imports included
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["first_step_origin"] == "command" and summary["first_step_seconds"] > 0
 
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.plugins.hparams import plugin_data_pb2

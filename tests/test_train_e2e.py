@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,16 @@ FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "d
 def read_metrics(run_dir):
     with open(run_dir / "csv" / "metrics.csv") as f:
         return list(csv.DictReader(f))
+
+
+def test_a_library_call_times_from_the_call_whatever_sys_argv_says(monkeypatch):
+    """sys.argv is a global an in-process caller may rewrite (attnzoo-lm-eval passes lm_eval its command line
+    through it): a library call in pytest stays a library call (the failure of a CI run, where an earlier test in
+    the same worker had left sys.argv[0] = "attnzoo-lm-eval")."""
+    from attnzoo.training.callbacks import command_start
+
+    monkeypatch.setattr(sys, "argv", ["attnzoo-train", "debug=smoke"])
+    assert command_start()[0] == "train()"
 
 
 def test_train_loss_falls_and_writes_summary(tmp_path):

@@ -28,8 +28,12 @@ def command_start() -> tuple[str, float]:
     import os
     import sys
 
-    argv0 = sys.argv[0] if sys.argv else ""
-    if os.path.basename(argv0).startswith("attnzoo-") or f"attnzoo{os.sep}cli{os.sep}" in argv0:
+    # the process's __main__, not sys.argv: argv is a global an in-process caller may rewrite (lm_eval's command
+    # line is given through it), __main__ is fixed when the process starts
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    script = os.path.basename(getattr(main, "__file__", None) or "")
+    if script.startswith("attnzoo-") or (spec is not None and spec.name.startswith("attnzoo.cli.")):
         # the package, imported before any of its modules (read, not imported: attnzoo/__init__ imports the api,
         # a layer above this one)
         return "command", sys.modules["attnzoo"].STARTED
