@@ -177,3 +177,26 @@ def _no_hydra_state_left():
     from hydra.core.hydra_config import HydraConfig
 
     HydraConfig.instance().cfg = None
+
+
+def cli_train(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """`attnzoo-train ARGV` through the console script's own main function, in this process: (exit code, stdout,
+    stderr). For tests about what the command does with its command line (refusals, --resume, the run dir's
+    record), not about a process boundary: it saves the ~5-7 s of imports a `python -m attnzoo.cli.train`
+    subprocess pays on a 2-core machine (issue 45, item 3)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from attnzoo.cli.train import main
+
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", ["attnzoo-train", *argv])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        GlobalHydra.instance().clear()
+    out, err = capsys.readouterr()
+    return code, out, err
+

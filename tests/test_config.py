@@ -11,7 +11,7 @@ from attnzoo.config.schema import ConfigError, resolve_model
 from attnzoo.training.config_checks import validate
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.config.paths import CONF_DIR
-from tests.conftest import compose_cfg, tiny_model_cfg
+from tests.conftest import cli_train, compose_cfg, tiny_model_cfg
 from tests.shards_fixture import text_corpus
 
 
@@ -130,11 +130,11 @@ def run_cli(*args, tmp_path):
     )
 
 
-def test_cli_bad_value_is_one_line_and_exit_2(tmp_path):
-    r = run_cli("model.n_kv_heads=3", tmp_path=tmp_path)
-    assert r.returncode == 2
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert lines[-1].startswith("attnzoo: error: model.n_kv_heads:"), r.stderr
+def test_cli_bad_value_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    code, _, err = cli_train(["model.n_kv_heads=3", f"hydra.run.dir={tmp_path}/cli"], monkeypatch, capsys)
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines[-1].startswith("attnzoo: error: model.n_kv_heads:"), err
     assert len([ln for ln in lines if "attnzoo: error" in ln]) == 1
     assert not (Path(tmp_path) / "cli" / "checkpoints").exists()  # nothing written half-way
 
@@ -147,10 +147,11 @@ def test_cli_unknown_group_option_lists_choices(tmp_path):
         sorted(p.stem for p in (CONF_DIR / "model" / "mixer").glob("*.yaml")))]
 
 
-def test_cli_missing_data_path(tmp_path):
-    r = run_cli("debug=smoke", f"data.path={tmp_path}/missing.txt", tmp_path=tmp_path)
-    assert r.returncode == 2
-    assert "data.path:" in r.stderr and "does not exist" in r.stderr
+def test_cli_missing_data_path(tmp_path, monkeypatch, capsys):
+    code, _, err = cli_train(["debug=smoke", f"data.path={tmp_path}/missing.txt", f"hydra.run.dir={tmp_path}/cli"],
+                             monkeypatch, capsys)
+    assert code == 2
+    assert "data.path:" in err and "does not exist" in err
 
 
 def test_slurm_launcher_composes(tmp_path):

@@ -15,7 +15,7 @@ from attnzoo.config.schema import ConfigError
 from attnzoo.training.rundir import LOCK_NAME, run_dir_lock
 from attnzoo.cli.train import resume_argv
 from attnzoo.training.run import train
-from tests.conftest import SMALL_TEXT, compose_cfg
+from tests.conftest import SMALL_TEXT, cli_train, compose_cfg
 
 # constant LR after warmup: a run stopped at step 4 and resumed to 8 follows the same schedule as one run to 8
 BASE = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
@@ -195,18 +195,16 @@ def test_resume_argv_recomposes_the_runs_own_overrides(tmp_path):
         resume_argv(["--resume", str(tmp_path)])
 
 
-def test_resume_hint_printed_after_a_run_works_when_pasted(tmp_path):
-    """`attnzoo-train --resume RUN_DIR` through the real CLI: the run's overrides come back, so the model
+def test_resume_hint_printed_after_a_run_works_when_pasted(tmp_path, monkeypatch, capsys):
+    """`attnzoo-train --resume RUN_DIR` through the CLI's main: the run's overrides come back, so the model
     matches its checkpoint and the run continues to a larger max_steps."""
     run = tmp_path / "r"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "model.d_model=48", "model.n_heads=4",
-                            "trainer.max_steps=4", *common], env=env, capture_output=True, text=True)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run), "trainer.max_steps=8"],
-                            env=env, capture_output=True, text=True)
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    code, out, err = cli_train([*BASE, "model.d_model=48", "model.n_heads=4", "trainer.max_steps=4", *common],
+                               monkeypatch, capsys)
+    assert code == 0, out[-2000:] + err[-2000:]
+    code, out, err = cli_train(["--resume", str(run), "trainer.max_steps=8"], monkeypatch, capsys)
+    assert code == 0, out[-2000:] + err[-2000:]
     assert sorted(train_losses(run)) == list(range(8))
 
 
@@ -228,24 +226,21 @@ def test_a_live_run_owns_its_dir_and_a_stale_lock_is_taken_over(tmp_path):
     assert not (out / LOCK_NAME).exists()
 
 
-def test_refused_run_keeps_the_run_dirs_hydra_record(tmp_path):
+def test_refused_run_keeps_the_run_dirs_hydra_record(tmp_path, monkeypatch, capsys):
     """A resume refused in one line must not rewrite <run>/.hydra (the report reads the job's overrides
     there): Hydra's own writing is off (output_subdir: null) and attnzoo writes the record once accepted."""
     run = tmp_path / "r"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [f"paths.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}"]
-    first = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=4", *common], env=env,
-                           capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr[-2000:]
+    code, out, err = cli_train([*BASE, "trainer.max_steps=4", *common], monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     record = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
     assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"} and b"trainer.max_steps=4" in record["overrides.yaml"]
-    refused = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=8", "model/mixer=mla",
-                              "ckpt_path=last", *common], env=env, capture_output=True, text=True)
-    assert refused.returncode == 2 and "another model/data config" in refused.stderr
+    code, out, err = cli_train([*BASE, "trainer.max_steps=8", "model/mixer=mla", "ckpt_path=last", *common],
+                               monkeypatch, capsys)
+    assert code == 2 and "another model/data config" in err
     assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == record
-    accepted = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *BASE, "trainer.max_steps=8", "ckpt_path=last",
-                               *common], env=env, capture_output=True, text=True)
-    assert accepted.returncode == 0, accepted.stderr[-2000:]
+    code, out, err = cli_train([*BASE, "trainer.max_steps=8", "ckpt_path=last", *common], monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     assert b"trainer.max_steps=8" in (run / ".hydra" / "overrides.yaml").read_bytes()  # the accepted run's record
 
 
