@@ -19,7 +19,8 @@
 Commands run in two lanes side by side (`lanes`): the ones that read an earlier command's output in README order,
 the others beside them. The test suite runs them as separate tests (no test near a timeout): each independent
 command alone (tests/test_readme_commands.py), each chain of dependent ones in its own sandbox
-(tests/test_readme_chains.py).
+(tests/test_readme_chains.py). Each command is a process of its own, forked from a fork server that imported
+torch, Lightning and attnzoo once (scripts/warm_run.py; `ATTNZOO_WORKER_START=spawn`: a fresh `python` each).
 
     .venv/bin/python scripts/check_readme.py [README.md]
 """
@@ -33,6 +34,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+try:  # the commands run as processes forked from a warm fork server (scripts/warm_run.py)
+    from scripts.warm_run import run_python
+except ImportError:  # run as `python scripts/check_readme.py`
+    from warm_run import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HARDWARE = ("trainer=gpu", "trainer=ddp ", "hydra/launcher=slurm")
@@ -121,8 +127,8 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         if not multirun and not any(a.startswith(("model=enc", "experiment=seq2seq", "data=")) for a in args):
             sweep_dirs["<run>"] = tmp / f"train{n}"  # a decoder LM on text: what attnzoo-generate / -eval use
         stages = ["linearize.stage1_steps=1", "linearize.stage2_steps=1"] if "experiment=linearize" in args else []
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.cli.train", *args, *SMOKE, *stages, where],
-                                     env=env, capture_output=True, text=True, timeout=600)
+        return "ran", run_python(["-m", "attnzoo.cli.train", *args, *SMOKE, *stages, where],
+                                 env=env, timeout=600)
     if tool == "attnzoo-sweep":
         name, rest = args[0], args[1:]
         given = next((a.split("=", 1)[1] for a in rest if a.startswith("hydra.sweep.dir=")), None)
@@ -130,15 +136,14 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         if given:
             sweep_dirs[given] = d
         rest = [a for a in rest if not a.startswith("hydra.sweep.dir=")]
-        return "ran (first grid point)", subprocess.run(
-            [sys.executable, "-m", "attnzoo.cli.sweep", name, *rest, *sweep_first_point(name), *SMOKE, f"hydra.sweep.dir={d}"],
-            env=env, capture_output=True, text=True, timeout=600)
+        return "ran (first grid point)", run_python(
+            ["-m", "attnzoo.cli.sweep", name, *rest, *sweep_first_point(name), *SMOKE, f"hydra.sweep.dir={d}"],
+            env=env, timeout=600, fresh=True)  # a fresh process: scripts/warm_run.py
     if tool == "attnzoo-report":
         d = sweep_dirs.get(args[0])
         if d is None:
             return f"failed: {args[0]} is not a sweep dir made by an earlier README command", None
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.analysis.report", str(d)], env=env, capture_output=True,
-                                     text=True, timeout=300)
+        return "ran", run_python(["-m", "attnzoo.analysis.report", str(d)], env=env, timeout=300)
     if tool in ("attnzoo-generate", "attnzoo-eval"):
         run_dir = sweep_dirs.get("<run>")
         if run_dir is None:
@@ -149,15 +154,13 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
                 for a in args]
         module = "generate_main" if tool == "attnzoo-generate" else "eval_main"
         code = f"import sys; from attnzoo.inference.generate import {module}; {module}(sys.argv[1:])"
-        return "ran", subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                                     timeout=600)
+        return "ran", run_python(["-c", code, *args], env=env, timeout=600)
     if tool == "attnzoo-export":  # the README's last decoder run on text, out to a dir under the temp home
         run_dir = sweep_dirs.get("<run>")
         if run_dir is None:
             return "failed: no earlier README training run to use", None
         args = [str(run_dir) if "<run>" in a else a for a in args]
-        return "ran", subprocess.run([sys.executable, "-m", "attnzoo.cli.export", *args], env=env, capture_output=True,
-                                     text=True, timeout=600)
+        return "ran", run_python(["-m", "attnzoo.cli.export", *args], env=env, timeout=600)
     if tool == "attnzoo-lm-eval":  # the README's last text run; the hub tasks replaced by one local task
         run_dir = sweep_dirs.get("<run>")
         if run_dir is None:
@@ -175,12 +178,12 @@ def run(cmd: str, tmp: Path, env: dict, sweep_dirs: dict, n: int) -> tuple[str, 
         i = args.index("--tasks")
         args[i + 1] = "readme_smoke_mc"
         offline = {**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-        return "ran (a local task)", subprocess.run(
-            [sys.executable, "-m", "attnzoo.inference.lm_eval", *args, "--include_path", str(tasks),
-             "--output_path", str(tmp / "lm_eval_out")], env=offline, capture_output=True, text=True, timeout=600)
+        return "ran (a local task)", run_python(
+            ["-m", "attnzoo.inference.lm_eval", *args, "--include_path", str(tasks),
+             "--output_path", str(tmp / "lm_eval_out")], env=offline, timeout=600)
     if tool == "attnzoo-bench":
-        return "ran (--quick)", subprocess.run([sys.executable, "-m", "attnzoo.bench", "--out", str(tmp / "bench"),
-                                                *args, "--quick"], env=env, capture_output=True, text=True, timeout=600)
+        return "ran (--quick)", run_python(["-m", "attnzoo.bench", "--out", str(tmp / "bench"),
+                                            *args, "--quick"], env=env, timeout=600)
     return f"failed: no smoke form for {tool!r}", None
 
 

@@ -9,6 +9,7 @@ one-process run's own fp32-vs-fp64 gap per step (conftest.gap_atol), measured on
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from attnzoo.inference.generate import load
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.config_checks import validate
 from attnzoo.training.fsdp import publish
+from attnzoo.training.launch import START_ENV, start_method
 from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg, gap_atol
 
@@ -83,10 +85,14 @@ def test_the_memory_benchmark_measures_half_of_ddps_training_state_on_two_ranks(
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process):
+def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process, monkeypatch):
+    """FSDP's workers forked from the launcher's fork server (the default), DDP's started as `python -m
+    attnzoo.cli.worker` (ATTNZOO_WORKER_START=spawn): both log one process's losses."""
     ref, atol = one_process
     train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], tmp_path / "fsdp"))
-    train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8"], tmp_path / "ddp"))
+    with monkeypatch.context() as m:
+        m.setenv(START_ENV, "spawn")
+        train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8"], tmp_path / "ddp"))
     fsdp, ddp = losses(tmp_path / "fsdp"), losses(tmp_path / "ddp")
     torch.testing.assert_close(fsdp, ref, atol=atol, rtol=0)
     torch.testing.assert_close(ddp, ref, atol=atol, rtol=0)
@@ -96,8 +102,16 @@ def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process):
     assert {p.name for p in ckpt.resolve().iterdir()} >= {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
     # one folder per link: the step-4 checkpoint was deleted once the step-8 one was in place
     assert [p.name for p in ckpt.parent.iterdir() if p.is_dir() and not p.is_symlink()] == [ckpt.resolve().name]
-    summary = (tmp_path / "fsdp" / "summary.json").read_text()
-    assert '"status": "ok"' in summary
+    for run in ("fsdp", "ddp"):  # a worker's wait for its first step counts from its launcher's train() call
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["first_step_origin"] == "train()", summary
+        assert 0 < summary["first_step_seconds"]
+
+
+def test_an_unknown_worker_start_method_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv(START_ENV, "fork")
+    with pytest.raises(ConfigError, match=r"ATTNZOO_WORKER_START: 'fork'; allowed: forkserver, spawn"):
+        start_method()
 
 
 def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_path):

@@ -131,6 +131,7 @@ def test_ddp_last_checkpoint_is_the_final_model(tmp_path, monkeypatch):
             t.finish = finish
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(spy), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("ATTNZOO_WORKER_START", "spawn")  # fresh worker processes: they read the sitecustomize
     run = tmp_path / "ddp"
     train(compose_cfg(BASE + ["trainer=ddp_cpu", "trainer.max_steps=3", "trainer.val_check_interval=2",
                               "callbacks.checkpoint_every_n_steps=2"], run))
@@ -200,13 +201,16 @@ def test_sigkill_of_a_ddp_launcher_kills_its_workers_and_frees_the_run_dir(tmp_p
             start_new_session=True)
     try:
         wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 2, p)  # both workers are training
-        workers = [w for w in descendants(p.pid) if "attnzoo.cli.worker" in Path(f"/proc/{w}/cmdline").read_text()]
-        assert len(workers) == 2
+        # the lock records the 2 workers: the launcher's descendants (forked from its fork server, whose command
+        # line names attnzoo.cli.worker as the lock's liveness check expects), and they and the server go with it
         lock = (run / LOCK_NAME).read_text()
-        assert lock.startswith(f"{p.pid} ") and all(str(w) in lock.splitlines()[1] for w in workers)
+        workers = [int(w) for w in lock.splitlines()[1].split()[1:]]
+        tree = descendants(p.pid)
+        assert lock.startswith(f"{p.pid} ") and len(workers) == 2 and set(workers) <= set(tree)
+        assert all("attnzoo.cli.worker" in Path(f"/proc/{w}/cmdline").read_text() for w in workers)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
-        wait_until_gone(workers, p.pid)
+        wait_until_gone(tree, p.pid)
     finally:
         end_session(p)
     with run_dir_lock(run):  # the lock left behind is stale now: taken over

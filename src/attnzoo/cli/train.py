@@ -30,7 +30,7 @@ from attnzoo.config.overrides import check_group_overrides  # noqa: F401 (re-exp
 from attnzoo.config.paths import CONF_DIR, sweeps_dir
 from attnzoo.config.schema import parse_pattern
 from attnzoo.training.launch import launched_externally
-from attnzoo.cli.worker import close_process_group
+from attnzoo.training.launch import close_process_group
 
 
 def main() -> None:

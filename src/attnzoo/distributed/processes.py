@@ -4,6 +4,8 @@
   child SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), so a SIGKILLed launcher leaves no worker
   behind; the parent is checked again right after, which closes the race of a parent that died before the
   request was made. Elsewhere it does nothing (the run-dir lock still counts those workers as live).
+- `die_with(pid)`: the same for a process that is not the parent (a worker forked from a fork server watches its
+  launcher): a thread waiting on a pidfd.
 - `kill_tree(pid)`: stop every descendant of `pid` (SIGSTOP, so none forks another meanwhile), then SIGKILL
   them all; what a sweep does on SIGTERM / SIGINT to its joblib/loky workers, their resource trackers and
   the jobs' DDP workers.
@@ -31,6 +33,34 @@ def die_with_parent(ppid: int, sig: int = signal.SIGKILL) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != ppid:
         os._exit(1)
+
+
+def die_with(pid: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to this process when process `pid` (not necessarily its parent) ends; exit now if it has ended. For a
+    worker forked from a fork server, whose parent is the server: a daemon thread waits on a pidfd of `pid`
+    (Linux >= 5.3), or polls it every 0.2 s where pidfds are missing."""
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: poll
+        fd = None
+    if not alive(pid):
+        os._exit(1)
+
+    def watch() -> None:
+        if fd is not None:
+            import select
+
+            select.select([fd], [], [])
+        else:
+            while alive(pid):
+                time.sleep(0.2)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
 
 
 def alive(pid: int) -> bool:

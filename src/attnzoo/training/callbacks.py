@@ -23,13 +23,19 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def command_start() -> tuple[str, float]:
     """Where a run's wait for its first step is counted from: ("command", attnzoo.STARTED, its first import) in a
-    process started as an attnzoo command (a console script, `python -m attnzoo.cli.*`, their DDP workers), else
-    ("train()", now): a library call in a longer-lived process (a notebook, pytest) times from the call."""
+    process started as an attnzoo command (a console script, `python -m attnzoo.cli.*`), else ("train()", now): a
+    library call in a longer-lived process (a notebook, pytest) times from the call. A DDP worker counts from its
+    launcher's origin (ATTNZOO_COMMAND_START, training/launch.py): the wait includes starting the workers.
+    time.perf_counter is CLOCK_MONOTONIC, one clock for every process of the machine."""
     import os
     import sys
 
     # the process's __main__, not sys.argv: argv is a global an in-process caller may rewrite (lm_eval's command
     # line is given through it), __main__ is fixed when the process starts
+    inherited = os.environ.get("ATTNZOO_COMMAND_START")  # a DDP worker: its launcher's (training/launch.py)
+    if inherited:
+        kind, since = inherited.split()
+        return kind, float(since)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     script = os.path.basename(getattr(main, "__file__", None) or "")

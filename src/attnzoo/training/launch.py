@@ -4,10 +4,19 @@ Lightning's default DDP launcher re-runs `sys.argv` for ranks > 0. Under `-m` th
 whole sweep and pairs with the parent job by job; one failing job or a change of world size desyncs
 everything after it (pytorch-lightning #11300, #18175). Instead, a job that asks for DDP on one node
 writes its fully resolved config into its own output dir and starts `world_size` fresh worker
-processes on it (`python -m attnzoo.cli.worker <job.yaml>`), with the torch.distributed environment set
-(MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK). Lightning sees LOCAL_RANK and does not launch
-anything itself. The job waits for its workers, so jobs stay isolated: the next job starts with fresh
-processes, and a failing worker fails only its own job.
+processes on it, with the torch.distributed environment set (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK,
+LOCAL_RANK). Lightning sees LOCAL_RANK and does not launch anything itself. The job waits for its workers,
+so jobs stay isolated: the next job starts with fresh processes, and a failing worker fails only its own job.
+
+The workers are forked from a fork server (multiprocessing's "forkserver" start method) that imported the
+training stack once (`WORKER_MODULES`: torch, Lightning, attnzoo) and never computes, so it is safe to fork
+from (a process that ran OpenMP or CUDA is not). Each worker is then what `python -m attnzoo.cli.worker
+<job.yaml>` would be: the launcher's environment (plus the rank's), working directory, stdout / stderr (rank
+0) or `launch/rank<N>.log`, and its own pid and exit code. The server lives as long as the launcher, so the
+second and later jobs of a sweep run in one process, or a test session, start their workers without paying
+the imports again (~4-5 s a worker on a 2-core machine), and the launcher starts it before preparing the data
+(`warm_workers`), so the server's imports overlap that work. `ATTNZOO_WORKER_START=spawn` (or a platform
+without forkserver) starts each worker as `python -m attnzoo.cli.worker <job.yaml>` instead.
 
 The workers live no longer than their launcher: each asks the kernel to kill it when the launcher dies
 (`procs.die_with_parent`, Linux), a SIGTERM to the launcher is passed on to them (they save last.ckpt and
@@ -117,30 +126,202 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_workers(container: dict, out: Path, n: int, timeout: float | None = None) -> None:
-    """Run the job on `n` local worker processes; raise RuntimeError (naming the rank and its log) on failure."""
+START_ENV = "ATTNZOO_WORKER_START"  # forkserver (the default) or spawn: how launch_workers starts a worker
+ORIGIN_ENV = "ATTNZOO_COMMAND_START"  # "<origin> <perf_counter>": where a worker's first_step_seconds count from
+# what the fork server imports once, for every worker it forks: the worker's entry and the training stack
+WORKER_MODULES = ["attnzoo.cli.worker", "attnzoo.training.run"]
+
+
+def start_method() -> str:
+    """How workers start: "forkserver" (forked from a warm server) unless ATTNZOO_WORKER_START=spawn or the
+    platform has no fork server (Windows), then "spawn" (a fresh `python -m attnzoo.cli.worker` each)."""
+    import multiprocessing
+
+    from attnzoo.config.errors import check
+
+    method = os.environ.get(START_ENV, "forkserver")
+    check(method in ("forkserver", "spawn"), START_ENV, f"{method!r}; allowed: forkserver, spawn")
+    return method if method in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _fork_context():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_MODULES)  # read when the server starts (a running server keeps its own)
+    return ctx
+
+
+def warm_workers() -> None:
+    """Start the fork server the workers will be forked from, unless it runs already: it imports the training
+    stack in the background while the launcher prepares the data (its first fork waits for it)."""
+    if start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        _fork_context()
+        forkserver.ensure_running()
+
+
+class _Fd:
+    """A file descriptor of the launcher handed to a forked worker (SCM_RIGHTS through the fork server)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while multiprocessing sends the process object: the fd travels with it
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup):
+    return dup
+
+
+def become_fresh_process(env: dict, cwd: str, stdout, stderr) -> None:
+    """In a child forked from the fork server: take on what a process started for it with `env` in `cwd`, output to
+    `stdout` / `stderr` (`_Fd`s), would have: that environment, directory and output; torch's thread count and
+    Lightning's rank from that environment (both read at import, in the server's); the platform's default start
+    method for the processes it starts (multiprocessing hands a forkserver child its own: a DataLoader's workers
+    would come from a fork server of their own and, their parent not being the loader's process, outlive it)."""
+    import multiprocessing
+
+    import torch
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for target, handle in ((1, stdout), (2, stderr)):
+        fd = handle.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+    multiprocessing.set_start_method(None, force=True)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    rank_zero_only.rank = _get_rank() or 0
+
+
+def _forked_worker(job: str, env: dict, cwd: str, stdout, stderr) -> None:
+    """A worker forked from the fork server, made what `python -m attnzoo.cli.worker <job>` started by this
+    launcher would be (`become_fresh_process`); then the worker's main."""
+    import atexit
+
+    server = os.getppid()
+    become_fresh_process(env, cwd, stdout, stderr)
+    sys.argv = ["attnzoo.cli.worker", job]
+    try:
+        run_worker(job, server=server)
+    finally:  # multiprocessing ends its children with os._exit: run what a process runs at exit (log flushes)
+        atexit._run_exitfuncs()
+
+
+def run_worker(job: str, server: int | None = None) -> None:
+    """A DDP worker's life: train the job's resolved config as this process's rank (the environment says which).
+    `server`: the fork server this worker was forked from, not its launcher (None: started as a process of its
+    own, `python -m attnzoo.cli.worker`)."""
+    from attnzoo.distributed.processes import die_with, die_with_parent
+
+    if os.environ.get(LAUNCHER_ENV):  # first: a worker never outlives its launcher (no orphan after a SIGKILL)
+        launcher = int(os.environ[LAUNCHER_ENV])
+        # a forked worker's parent is the fork server (which lives while any of its children holds the pipe it
+        # watches): the worker watches its launcher itself
+        if server:
+            die_with(launcher)
+        else:
+            die_with_parent(launcher)
+    from attnzoo.config.errors import ConfigError
+    from attnzoo.training.run import train
+
+    try:
+        train(OmegaConf.load(job))
+    except ConfigError as e:  # a fault every rank reports alike (a full disk): one line, handed to the launcher
+        write_worker_error(job, e)
+        if not (os.environ.get(LAUNCHER_ENV) and os.environ.get("RANK") == "0"):  # rank 0's launcher says it
+            print(f"attnzoo: error: {e}", file=sys.stderr)  # (the other ranks' stderr is their launch/ log)
+        sys.exit(2)
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """Leave the process group together: without it, a rank that exits while another is still inside its
+    last collective (rank 0 writes the summary after the final validation) makes gloo abort that other
+    rank with SIGABRT at exit (seen as `exit code -6` on CI). A barrier, then an orderly destroy."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class _Forked:
+    """A forked worker behind the part of subprocess.Popen's interface the launcher uses."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self):
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None):
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("attnzoo.cli.worker", timeout)
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _start_worker(method: str, job: Path, env: dict, log: Path | None):
+    """One worker on `job` with `env`; its output to `log`, or to the launcher's stdout / stderr."""
+    out = open(log, "w") if log is not None else None
+    try:
+        if method == "spawn":
+            return subprocess.Popen([sys.executable, "-m", "attnzoo.cli.worker", str(job)], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT if out else None)
+        fds = (out.fileno(), out.fileno()) if out is not None else (1, 2)
+        proc = _fork_context().Process(target=_forked_worker, name=f"attnzoo-worker-{env['RANK']}",
+                                       args=(str(job), env, os.getcwd(), _Fd(fds[0]), _Fd(fds[1])))
+        proc.start()
+        return _Forked(proc)
+    finally:
+        if out is not None:
+            out.close()  # the worker holds its own copy of the descriptor
+
+
+def launch_workers(container: dict, out: Path, n: int, timeout: float | None = None,
+                   origin: tuple[str, float] | None = None) -> None:
+    """Run the job on `n` local worker processes; raise RuntimeError (naming the rank and its log) on failure.
+    `origin`: (kind, perf_counter) the workers' first_step_seconds count from (callbacks.command_start), the
+    launcher's own by default."""
+    from attnzoo.training.callbacks import command_start
+
+    method = start_method()
     launch_dir = out / "launch"
     launch_dir.mkdir(parents=True, exist_ok=True)
     job = launch_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(container), job)
     port = _free_port()
+    kind, since = origin or command_start()
     procs, logs = [], []
     threads = max(1, (os.cpu_count() or 1) // n)
     for rank in range(n):
         env = dict(os.environ)
         env.update({WORKER_ENV: "1", LAUNCHER_ENV: str(os.getpid()), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port), "WORLD_SIZE": str(n), "NODE_RANK": "0", "LOCAL_RANK": str(rank),
-                    "RANK": str(rank), "OMP_NUM_THREADS": str(threads)})
-        if rank == 0:
-            log, stdout = None, None  # rank 0 prints the progress bar and the summary
-        else:
-            log = launch_dir / f"rank{rank}.log"
-            stdout = open(log, "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "attnzoo.cli.worker", str(job)], env=env,
-                                      stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
-        if stdout is not None:
-            stdout.close()  # the worker holds its own copy of the descriptor
+                    "RANK": str(rank), "OMP_NUM_THREADS": str(threads), ORIGIN_ENV: f"{kind} {since!r}"})
+        # rank 0 prints the progress bar and the summary; the others write launch/rank<N>.log
+        logs.append(None if rank == 0 else launch_dir / f"rank{rank}.log")
+        procs.append(_start_worker(method, job, env, logs[-1]))
     record_workers(out, [p.pid for p in procs])  # the run dir stays locked while any of them lives
     with _forward_sigterm(procs):
         try:

@@ -18,12 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf import apply_init_from, check_init_vocab
 from attnzoo.ops.dispatch import gate_notices, run_compute_dtype
+from attnzoo.training.callbacks import command_start
 from attnzoo.training.build import (build_module, check_kernels_present, prepare_data, resolve_ckpt, resolve_run_length,
                                     run_device_type)
 from attnzoo.training.checkpoint_io import check_resume_compatible, flatten
 from attnzoo.training.config_checks import check_devices_present, validate
 from attnzoo.training.console import ConsoleLog
-from attnzoo.training.launch import check_launchable, launch_workers, processes_to_launch
+from attnzoo.training.launch import check_launchable, launch_workers, processes_to_launch, warm_workers
 from attnzoo.training.linearize import apply_linearize
 from attnzoo.training.measure import final_metrics
 from attnzoo.training.rundir import run_dir_lock
@@ -90,15 +91,17 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     container.pop("hydra", None)
     ckpt_path, ckpt = resolve_ckpt(run.ckpt_path, out)
     L.seed_everything(run.seed, workers=True, verbose=False)
+    n_workers = processes_to_launch(run.trainer)
+    if n_workers:  # the workers' fork server imports the training stack while the data is prepared here
+        warm_workers()
     dm, budget = prepare_data(parts, container)
     check_init_vocab(container["model"], dm.vocab_size)  # an imported model's embedding fits the data's ids
     if ckpt is not None:  # before anything is built or written: a refused resume leaves the run dir as it was
         check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
-    n_workers = processes_to_launch(run.trainer)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config
         if on_accept is not None:
             on_accept()
-        return _train_in_workers(container, out, n_workers)
+        return _train_in_workers(container, out, n_workers, t_start)
     family, lit = build_module(container, dm, run)  # the model's own checks (e.g. a causal decoder) refuse here
     if is_rank_zero():  # fla refuses a kernel on this device (ops/dispatch.py fla_gates): auto runs torch, and says so
         for line in gate_notices(lit.model, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0]):
@@ -120,10 +123,12 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     return metrics
 
 
-def _train_in_workers(container: dict, out: Path, n_workers: int) -> dict:
+def _train_in_workers(container: dict, out: Path, n_workers: int, t_start: float) -> dict:
     """DDP on this node: `n_workers` worker processes train the resolved config (each calls train() as its
-    rank); their rank 0 writes summary.json, read back here."""
-    launch_workers(container, out, n_workers)
+    rank); their rank 0 writes summary.json, read back here. Their first_step_seconds count from this command's
+    start, or from this train() call in a library process."""
+    kind, since = command_start()
+    launch_workers(container, out, n_workers, origin=(kind, since if kind == "command" else t_start))
     summary = json.loads((out / "summary.json").read_text())
     if summary.get("status") == "preempted":  # SIGTERM passed on to the workers: they saved last.ckpt
         return {"status": "preempted", "global_step": summary["global_step"]}
