@@ -49,7 +49,7 @@ def _child(argv: list[str], env: dict, cwd: str, out, err) -> None:
         atexit._run_exitfuncs()
 
 
-def run_python(argv: list[str], env: dict | None = None, timeout: float | None = None,
+def run_python(argv: list[str], env: dict | None = None, timeout: float | None = None, cwd=None,
                fresh: bool = False) -> subprocess.CompletedProcess:
     """argv: ["-m", MODULE, *args] or ["-c", CODE, *args]. Returns a CompletedProcess with text stdout / stderr;
     raises subprocess.TimeoutExpired (the child killed) after `timeout` seconds. `fresh`: a real `python` process
@@ -59,9 +59,10 @@ def run_python(argv: list[str], env: dict | None = None, timeout: float | None =
     assert argv[0] in ("-m", "-c"), argv
     env = dict(os.environ if env is None else env)
     if fresh or start_method() == "spawn":
-        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = _fork_context().Process(target=_child, args=(argv, env, os.getcwd(), _Fd(out.fileno()),
+        proc = _fork_context().Process(target=_child, args=(argv, env, str(cwd or os.getcwd()), _Fd(out.fileno()),
                                                             _Fd(err.fileno())), name=f"run {argv[1][:40]}")
         proc.start()
         proc.join(timeout)

@@ -19,6 +19,7 @@ import torch
 
 from attnzoo.config.errors import ConfigError
 from tests.conftest import SESSION_CACHE, compose_cfg
+from scripts.warm_run import run_python
 
 
 class Payload:
@@ -42,9 +43,10 @@ def sharded_run(tmp_path_factory) -> Path:
     process of its own: Lightning's FSDP strategy sets LOCAL_RANK / RANK in the process it runs in, which would
     make this test worker's later DDP runs think they were launched from outside."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "debug=smoke", "trainer=fsdp_cpu", "trainer.devices=1",
+    r = run_python(["-m", "attnzoo.cli.train", "debug=smoke", "trainer=fsdp_cpu", "trainer.devices=1",
                     "data.tokenizer=char", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                    "perf.decode_tokens=0", f"paths.cache_dir={SESSION_CACHE}", f"hydra.run.dir={out}"], check=True, capture_output=True, timeout=300)
+                    "perf.decode_tokens=0", f"paths.cache_dir={SESSION_CACHE}", f"hydra.run.dir={out}"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "checkpoints" / "last.ckpt" / ".metadata").is_file()
     return out
 

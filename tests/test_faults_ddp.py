@@ -16,6 +16,7 @@ from attnzoo.config.schema import ConfigError
 from attnzoo.data.sampling import ResumableShuffleSampler
 from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg
+from scripts.warm_run import run_python
 
 FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
         "perf.measure_decode=false", "sample.max_new_tokens=0"]
@@ -85,10 +86,9 @@ def test_multirun_ddp_jobs_are_isolated(tmp_path):
     """3 jobs with trainer=ddp_cpu, the first one failing at run time (lr 1e30 without clipping: a non-finite loss;
     a value any job would refuse is refused before the first job instead): the others train, exactly 3 job dirs."""
     sweep = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=3",
-                        "trainer.val_check_interval=3", "trainer.gradient_clip_val=null", "optim.lr=1e30,3e-3,1e-3",
-                        f"hydra.sweep.dir={sweep}"],
-                       env=ENV, capture_output=True, text=True, timeout=600)
+    r = run_python(["-m", "attnzoo.cli.train", "-m", *FAST, "trainer=ddp_cpu", "trainer.max_steps=3",
+                    "trainer.val_check_interval=3", "trainer.gradient_clip_val=null", "optim.lr=1e30,3e-3,1e-3",
+                    f"hydra.sweep.dir={sweep}"], env=ENV, timeout=600)
     # the sweep runs every job, then exits non-zero because one failed
     assert r.returncode == 1 and "attnzoo: 2 ok, 1 failed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())

@@ -29,6 +29,7 @@ from attnzoo.training.fsdp import publish
 from attnzoo.training.launch import START_ENV, start_method
 from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg, gap_atol
+from scripts.warm_run import run_python
 
 # constant LR after warmup (a run stopped at step 4 and resumed to 8 follows the schedule of one run to 8); the global
 # batch is 8 rows: 8 on one process, 4 per rank on two, 2 per rank on four
@@ -123,8 +124,7 @@ def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_
     assert torch.equal(losses(tmp_path / "split"), losses(tmp_path / "ref"))
     sharded = tmp_path / "split" / "checkpoints" / "last.ckpt"
     out = tmp_path / "model.ckpt"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.ckpt", "consolidate", str(sharded), str(out)],
-                       capture_output=True, text=True)
+    r = run_python(["-m", "attnzoo.cli.ckpt", "consolidate", str(sharded), str(out)], timeout=300)
     assert r.returncode == 0, r.stderr
     a, b = load(tmp_path / "split"), load(out)
     assert a.global_step == b.global_step == 8
@@ -193,8 +193,7 @@ def test_an_incomplete_sharded_folder_is_refused_in_one_line(tmp_path):
     (bad / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(ConfigError, match=r"ckpt_path: .* is a sharded checkpoint whose save did not finish"):
         check_checkpoint(bad)
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.ckpt", "consolidate", str(bad), str(tmp_path / "x.ckpt")],
-                       capture_output=True, text=True)
+    r = run_python(["-m", "attnzoo.cli.ckpt", "consolidate", str(bad), str(tmp_path / "x.ckpt")], timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a complete sharded checkpoint" in r.stderr
 
 

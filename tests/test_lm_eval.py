@@ -20,6 +20,7 @@ from attnzoo.config.errors import ConfigError  # noqa: E402
 from attnzoo.inference.lm_eval import AttnzooLM  # noqa: E402
 from attnzoo.training.run import train  # noqa: E402
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg  # noqa: E402
+from scripts.warm_run import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "optim.lr=3e-3", "trainer.max_steps=12"]
@@ -254,10 +255,10 @@ def test_command_line_end_to_end(run_dir, tmp_path):
     tasks = write_tasks(tmp_path, ["x", "y"])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
            "ATTNZOO_TEST_CACHE": str(SESSION_CACHE)}
-    r = subprocess.run([sys.executable, "-m", "attnzoo.inference.lm_eval", "--model", "attnzoo", "--model_args",
-                        f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen", "--include_path", str(tasks),
-                        "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = run_python(["-m", "attnzoo.inference.lm_eval", "--model", "attnzoo", "--model_args",
+                    f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen", "--include_path", str(tasks),
+                    "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
+                   cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = (tmp_path / "out").rglob("results_*.json")
     res = json.loads(result.read_text())["results"]

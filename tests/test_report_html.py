@@ -18,6 +18,7 @@ from attnzoo.analysis.report import build_report, main
 from attnzoo.analysis.report.charts import DENSE
 from attnzoo.analysis.report.plots import draw
 from scripts.screenshot_report import fake_sweep
+from scripts.warm_run import run_python
 
 
 def plotly_figures(page: str) -> dict[str, dict]:
@@ -281,5 +282,5 @@ def test_the_command_and_the_module_still_run(seeded, tmp_path, capsys):
     d = fake_sweep(tmp_path / "cli")
     main([str(d)])
     assert "12 jobs ->" in capsys.readouterr().out and (d / "report.html").is_file()
-    r = subprocess.run([sys.executable, "-m", "attnzoo.analysis.report", str(d)], capture_output=True, text=True, timeout=120)
+    r = run_python(["-m", "attnzoo.analysis.report", str(d)], timeout=120)
     assert r.returncode == 0 and "5 plots" in r.stdout, r.stderr[-2000:]

@@ -25,6 +25,7 @@ from attnzoo.training.run import train
 from tests.conftest import compose_cfg
 from tests.shards_fixture import numbered_corpus, text_corpus
 from tests.test_faults_ddp import ENV, cli, losses, wait_for_checkpoint
+from scripts.warm_run import run_python
 
 B, T = 8, 32
 
@@ -190,8 +191,7 @@ def test_sigkill_then_resume_cli_equals_uninterrupted(corpus, tmp_path):
     train(compose_cfg(common, ref))
     run = tmp_path / "killed"
     saved = killed_mid_run(common, run)
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "--resume", str(run)], env=ENV,
-                       capture_output=True, text=True, timeout=300)
+    r = run_python(["-m", "attnzoo.cli.train", "--resume", str(run)], env=ENV, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert_rows_equal_from(ref, run, saved)
 

@@ -20,6 +20,7 @@ from attnzoo.cli.sweep import available, smoke_overlay
 from attnzoo.cli.sweep import main as sweep_main
 from tests.conftest import SESSION_CACHE, SMALL_TEXT
 from tests.shards_fixture import text_corpus
+from scripts.warm_run import run_python
 
 SWEEPS = available()
 
@@ -295,10 +296,10 @@ def test_optuna_hparams_search_smoke(tmp_path):
     import yaml
 
     d = tmp_path / "optuna"
-    r = subprocess.run([sys.executable, "-m", "attnzoo.cli.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
-                        "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
-                        f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
-                       capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    r = run_python(["-m", "attnzoo.cli.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
+                    "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
+                    f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
+                   timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = yaml.safe_load((d / "optimization_results.yaml").read_text())
     accs = [json.loads((d / j / "summary.json").read_text())["metrics"]["val/acc"] for j in ("0", "1")]
