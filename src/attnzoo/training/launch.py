@@ -128,7 +128,9 @@ def _free_port() -> int:
 
 START_ENV = "ATTNZOO_WORKER_START"  # forkserver (the default) or spawn: how launch_workers starts a worker
 ORIGIN_ENV = "ATTNZOO_COMMAND_START"  # "<origin> <perf_counter>": where a worker's first_step_seconds count from
-# what the fork server imports once, for every worker it forks: the worker's entry and the training stack
+# what the fork server imports once, for every worker it forks: the worker's entry and the training stack. The
+# server's command line lists them, and a forked worker's command line is the server's: the run-dir lock counts a
+# recorded pid as a live worker by "attnzoo.cli.worker" in it (rundir._live_workers)
 WORKER_MODULES = ["attnzoo.cli.worker", "attnzoo.training.run"]
 
 

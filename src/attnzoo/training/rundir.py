@@ -37,6 +37,7 @@ def _live_workers(pids: list[int]) -> list[int]:
     live = []
     for pid in pids:
         cmd = command_line(pid)
+        # a fork server's child carries the server's command line, which names attnzoo.cli.worker (launch.py)
         if cmd is not None and alive(pid) and (cmd == "" or "attnzoo.cli.worker" in cmd):
             live.append(pid)
     return live
