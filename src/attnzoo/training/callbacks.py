@@ -30,12 +30,14 @@ def command_start() -> tuple[str, float]:
     import os
     import sys
 
-    # the process's __main__, not sys.argv: argv is a global an in-process caller may rewrite (lm_eval's command
-    # line is given through it), __main__ is fixed when the process starts
-    inherited = os.environ.get("ATTNZOO_COMMAND_START")  # a DDP worker: its launcher's (training/launch.py)
+    from attnzoo.training.launch import ORIGIN_ENV
+
+    inherited = os.environ.get(ORIGIN_ENV)  # a DDP worker: its launcher's
     if inherited:
         kind, since = inherited.split()
         return kind, float(since)
+    # the process's __main__, not sys.argv: argv is a global an in-process caller may rewrite (lm_eval's command
+    # line is given through it), __main__ is fixed when the process starts
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     script = os.path.basename(getattr(main, "__file__", None) or "")

@@ -300,20 +300,17 @@ def _start_worker(method: str, job: Path, env: dict, log: Path | None):
             out.close()  # the worker holds its own copy of the descriptor
 
 
-def launch_workers(container: dict, out: Path, n: int, timeout: float | None = None,
-                   origin: tuple[str, float] | None = None) -> None:
+def launch_workers(container: dict, out: Path, n: int, origin: tuple[str, float],
+                   timeout: float | None = None) -> None:
     """Run the job on `n` local worker processes; raise RuntimeError (naming the rank and its log) on failure.
-    `origin`: (kind, perf_counter) the workers' first_step_seconds count from (callbacks.command_start), the
-    launcher's own by default."""
-    from attnzoo.training.callbacks import command_start
-
+    `origin`: (kind, perf_counter) the workers' first_step_seconds count from (callbacks.command_start)."""
     method = start_method()
     launch_dir = out / "launch"
     launch_dir.mkdir(parents=True, exist_ok=True)
     job = launch_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(container), job)
     port = _free_port()
-    kind, since = origin or command_start()
+    kind, since = origin
     procs, logs = [], []
     threads = max(1, (os.cpu_count() or 1) // n)
     for rank in range(n):
