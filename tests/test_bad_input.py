@@ -510,42 +510,22 @@ def test_sharded_save_on_a_full_disk_reaches_the_cli_as_one_line(tmp_path, monke
     assert not list(Path(job.parent).glob("*.error.json")) and read_worker_error(job, 0) is None
 
 
-def _sweep_config(name: str, extra: list):
-    """sweeps/NAME's multirun config as Hydra hands it to the callbacks (its grid in hydra.sweeper.params)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from attnzoo.cli.sweep import hydra_argv
-    from attnzoo.config.paths import CONF_DIR
-
-    argv = [a for a in hydra_argv(name, ["debug=smoke", *extra]) if a != "-m"]
-    GlobalHydra.instance().clear()
-    initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
-    return compose(config_name="train", overrides=argv, return_hydra_config=True)
-
-
-def test_every_sweeps_grid_passes_and_a_bad_grid_value_is_refused_before_any_job():
-    """The grid check (cli/sweep.check_grid, before the first job): every named sweep's grid passes (no false
-    refusal), and a value a job would refuse - a negative budget, a mixer pattern naming no mixer - is one line
-    naming the grid's key and value (was: the jobs before it ran, then that one failed)."""
+def test_a_bad_grid_value_is_refused_before_any_job():
+    """The grid check (cli/sweep.check_grid, before the first job): a value a job would refuse - a negative budget -
+    is one line naming the grid's key and value (was: the jobs before it ran, then that one failed). Every named
+    sweep's grid passing it (no false refusal): tests/test_sweeps.py::test_sweep_composes_and_every_value_validates."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from attnzoo.cli.sweep import available, check_grid
+    from attnzoo.cli.sweep import check_grid
+    from tests.test_sweeps import multirun_config
 
     try:
-        for name in available():
-            cfg = _sweep_config(name, [])
-            HydraConfig.instance().set_config(cfg)
-            if cfg.data.name == "shards" and not cfg.data.get("path"):  # the user's prepared corpus (lm_125m, ...):
-                # without one every job would stop, so the sweep does, before its first job
-                assert check_grid(cfg).startswith("data.path: is required with data=shards"), name
-                continue
-            assert check_grid(cfg) is None, name
-        cfg = _sweep_config("scaling", [])
+        cfg = multirun_config("scaling", ["debug=smoke"])
         with open_dict(cfg):  # the sweep file's grid with a negative budget
             cfg.hydra.sweeper.params["trainer.max_flops"] = "1e9,-5"
+        HydraConfig.instance().set_config(cfg)
         assert check_grid(cfg) == ("trainer.max_flops: must be positive or null, got -5.0 (the grid's "
                                    "trainer.max_flops=-5: no job has run)")
     finally:  # no Hydra state left for the next test in this worker (a run reads HydraConfig when it is set)

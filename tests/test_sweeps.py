@@ -70,21 +70,48 @@ def test_expected_sweeps_exist():
     assert {"mixers", "kv_heads", "window", "hybrid_ratio", "moe", "lm"} <= set(SWEEPS)
 
 
+def multirun_config(name: str, extra: list):
+    """sweeps/NAME's multirun config as Hydra hands it to attnzoo-sweep's callbacks (its grid in
+    hydra.sweeper.params), with Hydra left initialized, as check_grid finds it in a sweep."""
+    from attnzoo.cli.sweep import hydra_argv
+
+    argv = [a for a in hydra_argv(name, extra) if a != "-m"]
+    GlobalHydra.instance().clear()
+    initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
+    return compose(config_name="train", overrides=argv, return_hydra_config=True)
+
+
 @pytest.mark.parametrize("name", SWEEPS)
-def test_sweep_composes_and_every_value_validates(name):
-    """Each grid value, with the other keys at their first value, composes and passes validation."""
-    g = grid(compose_sweep(name))
-    assert g and all(g.values())
-    first = {k: v[0] for k, v in g.items()}
-    checked = 0
-    for key, values in g.items():
-        for v in values[1:] if checked else values:  # the first point once, then each other value
-            cfg = compose_sweep(name, [f"{k}={x}" for k, x in {**first, key: v}.items()])
-            with open_dict(cfg):
-                del cfg["hydra"]  # its sweep.subdir needs a running job
-            validate(cfg)  # raises ConfigError on an invalid combination
-            checked += 1
-    assert checked == 1 + sum(len(v) - 1 for v in g.values())
+def test_sweep_composes_and_every_value_validates(name, monkeypatch):
+    """Each grid value, with the other keys at their first value, composes and passes validation: checked by
+    attnzoo-sweep's own grid check (cli/sweep.check_grid, before the first job), at the sweep's full size and in its
+    debug=smoke form (the README's), every value validated (counted: a value that could not be composed would be
+    skipped by check_grid and is a failure here). A sweep on a prepared corpus (data=shards) without one is refused
+    before its first job; with one, it passes."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import attnzoo.training.config_checks as checks
+    from attnzoo.cli.sweep import check_grid
+
+    calls = []
+    validate = checks.validate
+    monkeypatch.setattr(checks, "validate", lambda cfg: calls.append(1) or validate(cfg))
+    try:
+        for extra in ([f"paths.cache_dir={SESSION_CACHE}"], ["debug=smoke", f"paths.cache_dir={SESSION_CACHE}"]):
+            cfg = multirun_config(name, extra)
+            HydraConfig.instance().set_config(cfg)
+            if cfg.data.name == "shards" and not cfg.data.get("path"):  # the user's prepared corpus (lm_125m, ...)
+                assert check_grid(cfg).startswith("data.path: is required with data=shards"), name
+                cfg = multirun_config(name, [*extra, f"data.path={prepared_corpus()}"])
+                HydraConfig.instance().set_config(cfg)
+            g = grid(cfg)
+            assert g and all(g.values())
+            calls.clear()
+            assert check_grid(cfg) is None, (name, extra)
+            assert len(calls) == 1 + sum(len(v) - 1 for v in g.values()), (name, extra, len(calls))
+    finally:  # no Hydra state left for the next test in this worker (a run reads HydraConfig when it is set)
+        HydraConfig.instance().cfg = None
+        GlobalHydra.instance().clear()
 
 
 @pytest.mark.parametrize("name", SWEEPS)

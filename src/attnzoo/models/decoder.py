@@ -108,7 +108,9 @@ class DecoderLM(nn.Module):
         # pre-norm needs a final norm before the head; post-norm blocks already end normalised
         self.norm = build_norm(cfg.norm, cfg.d_model) if cfg.norm_position == "pre" else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.init == "gpt2":
+        # on the meta device (parameter counts: training/budget.py, µP's width-doubled twin) there are no values to
+        # draw, and torch's meta normal_ runs its Python reference (~1 ms a tensor: most of a 125M count)
+        if cfg.init == "gpt2" and not self.embed.weight.is_meta:
             self.apply(self._init_weights)
             # GPT-2: scale the residual-output projections by 1/sqrt(2 * n_layers)
             for name, p in self.named_parameters():
