@@ -297,3 +297,48 @@ def test_sigterm_of_a_sweep_ends_its_workers_and_resource_trackers(tmp_path, sig
         wait_until_gone(started, p.pid)
     finally:
         end_session(p)
+
+
+class _Stuck(torch.utils.data.Dataset):
+    """A read that never returns (a loader worker waiting on a shard), after writing the worker's pid."""
+
+    def __init__(self, pid_file: str):
+        self.pid_file = pid_file
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        Path(self.pid_file).write_text(str(os.getpid()))
+        time.sleep(3600)
+
+
+def _iterate_stuck(pid_file: str) -> None:
+    from attnzoo.data.sampling import ResumableDataMixin
+
+    next(iter(ResumableDataMixin.val_loader(_Stuck(pid_file), batch_size=1, num_workers=1)))
+
+
+def test_a_loader_worker_ends_with_the_training_process_that_started_it(tmp_path):
+    """SIGKILL of a training process whose loader worker is inside a read: the worker goes too (the kernel's
+    SIGKILL, data/sampling.end_with_the_rank); torch's own watchdog looks at the parent only between batches, and
+    a DDP rank killed mid-run left its litdata workers behind."""
+    import multiprocessing
+
+    pid_file = tmp_path / "worker.pid"
+    trainer = multiprocessing.get_context("fork").Process(target=_iterate_stuck, args=(str(pid_file),))
+    trainer.start()
+    deadline = time.time() + 60
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    assert alive(worker)
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.join()
+    deadline = time.time() + 10
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.05)
+    survived = alive(worker)
+    if survived:  # not left holding this session's output pipes
+        os.kill(worker, signal.SIGKILL)
+    assert not survived, "the loader worker outlived the SIGKILLed process that started it"

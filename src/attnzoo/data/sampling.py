@@ -18,6 +18,20 @@ from torch.utils.data import DataLoader, Sampler
 from attnzoo.distributed.context_parallel import data_rank_world
 
 
+def end_with_the_rank(worker_id: int) -> None:
+    """`worker_init_fn` of every loader attnzoo builds: a loader worker ends with the process that started it (the
+    kernel's SIGKILL when it dies: distributed/processes.die_with_parent). A training process SIGKILLed mid-run
+    left its litdata workers waiting in their reads for ever (torch's watchdog looks at the parent only between
+    batches)."""
+    import multiprocessing
+
+    from attnzoo.distributed.processes import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        die_with_parent(parent.pid)
+
+
 def _rank_world() -> tuple[int, int]:
     """The data-parallel rank and world: with context parallelism (parallel.py) the ranks of one group share
     a batch, so the data is sharded over the groups only."""
@@ -105,14 +119,15 @@ class ResumableDataMixin:
         """Shuffled per epoch from the seed, sharded over DDP ranks, resumable at the exact batch."""
         sampler = self.make_train_sampler(len(dataset), seed, batch_size)
         return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                                   num_workers=num_workers, collate_fn=collate_fn, generator=own_generator(seed))
+                                   num_workers=num_workers, collate_fn=collate_fn, generator=own_generator(seed),
+                                   worker_init_fn=end_with_the_rank)
 
     @staticmethod
     def val_loader(dataset, batch_size: int, num_workers: int = 0, collate_fn=None) -> DataLoader:
         """In order, sharded over DDP ranks (the LightningModule reduces the metrics exactly)."""
         sampler = ResumableShuffleSampler(len(dataset), 0, batch_size, shuffle=False)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
-                          generator=own_generator(0))
+                          generator=own_generator(0), worker_init_fn=end_with_the_rank)
 
     def train_dataloader(self) -> DataLoader:
         return self.train_loader(self.train_set, self.cfg.batch_size, self.seed, self.cfg.num_workers,

@@ -33,6 +33,7 @@ from attnzoo.data.prepare import PrepareOptions, checked_options, prepare, resol
 from attnzoo.data.prepare import read_manifest as read_prepared_manifest
 from attnzoo.data.prepare_tokens import tokenizer_source
 from attnzoo.data.tokenizer import FileTokenizer
+from attnzoo.data.sampling import end_with_the_rank
 
 if TYPE_CHECKING:  # litdata itself is imported where shards are read (data/_shards_loader.py), not by every run
     from litdata import StreamingDataLoader, StreamingDataset
@@ -267,7 +268,8 @@ class ShardsDataModule(L.LightningDataModule):
         from attnzoo.data._shards_loader import ShardsLoader
 
         self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
-                                         num_workers=self.cfg.num_workers, collate_fn=self._collate())
+                                         num_workers=self.cfg.num_workers, collate_fn=self._collate(),
+                                         worker_init_fn=end_with_the_rank)
         if len(self.train_loader) == 0:
             raise ConfigError(f"{self.root}'s train split gives no batch of {self.cfg.batch_size} per rank and "
                               f"loader worker; allowed: fewer data.num_workers, a smaller data.batch_size / seq_len",
@@ -279,7 +281,8 @@ class ShardsDataModule(L.LightningDataModule):
         from litdata import StreamingDataLoader
 
         return StreamingDataLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
-                                   num_workers=self.cfg.num_workers, collate_fn=self._collate())
+                                   num_workers=self.cfg.num_workers, collate_fn=self._collate(),
+                                   worker_init_fn=end_with_the_rank)
 
     def tokens_seen(self) -> Optional[int]:
         """Training tokens the loaders have delivered to the training step so far, all data-parallel ranks
