@@ -166,10 +166,31 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.stem in E2E_FILES or f"{path.name}::{item.name}".startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
-    # the slow tests first (stable: file by file, in file order): xdist's workers take the long runs while there is
-    # other work to balance them, and the session ends on short tests (it ended on two 15 s runs on one worker
-    # while the other idled for 30 s)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items[:] = _long_runs_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def _long_runs_first(items: list, workers: int) -> list:
+    """The order xdist's workers start in: each worker's share begins with its part of the slow tests, so the long
+    runs go while there is short work left to balance them, and the session ends on short tests (it ended on two
+    15 s runs on one worker while the other idled for 30 s). `--dist worksteal` hands worker k the k-th contiguous
+    slice of the collection (sizes n // workers, then the rest) and an idle worker steals from the end of another's
+    queue: so the slow tests are dealt round-robin to the slices' fronts, not all put first (one worker would run
+    them alone while the other stole its short tail)."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    if workers < 2 or not slow or not fast:
+        return slow + fast
+    ordered, left, rest = [], len(items), []
+    for k in range(workers):
+        size = left // (workers - k)
+        share = slow[k::workers]
+        ordered += share[:size]
+        rest += share[size:]
+        take = max(0, size - len(share))
+        ordered += fast[:take]
+        del fast[:take]
+        left -= size
+    return ordered + rest + fast
 
 
 @pytest.fixture(autouse=True)
