@@ -166,35 +166,6 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.stem in E2E_FILES or f"{path.name}::{item.name}".startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
-    items[:] = _long_runs_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-
-
-def _long_runs_first(items: list, workers: int) -> list:
-    """The order xdist's workers start in: each worker's share holds its part of the slow tests spread evenly over
-    its first 85 %, so the long runs (most start processes of their own) go beside short single-process tests while
-    there is short work left to balance the workers, and the session ends on short tests (it ended on two 15 s runs
-    on one worker while the other idled for 30 s; all slow tests first made the two workers run process-heavy tests
-    side by side, 4-8 processes on 2 cores, and the session took 40 % longer). `--dist worksteal` hands worker k the
-    k-th contiguous slice of the collection (sizes n // workers, then the rest) and an idle worker steals from the
-    end of another's queue; the slow tests are dealt to the slices round-robin."""
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    fast = [item for item in items if not item.get_closest_marker("slow")]
-    if not slow or not fast:
-        return items
-    ordered, left, workers = [], len(items), max(1, workers)
-    for k in range(workers):
-        size = left // (workers - k)
-        share = slow[k::workers]
-        n_fast = max(0, size - len(share))
-        mine, fast = fast[:n_fast], fast[n_fast:]
-        every = 0.85 * size / len(share) if share else 0  # a slow test at every `every`-th place of the first 85 %
-        spots = {round(i * every) for i in range(len(share))}
-        queue_slow, queue_fast = iter(share), iter(mine)
-        for place in range(len(share) + len(mine)):
-            ordered.append((next(queue_slow, None) if place in spots else None) or next(queue_fast, None)
-                           or next(queue_slow))
-        left -= size
-    return ordered + fast
 
 
 @pytest.fixture(autouse=True)
