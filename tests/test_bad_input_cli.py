@@ -179,3 +179,17 @@ def test_a_mixer_override_the_recipe_shadows_is_refused_with_the_key_that_reache
     from attnzoo.cli.train import check_unknown_keys
 
     assert check_unknown_keys(argv) == line
+
+
+def test_an_output_dir_under_a_file_is_one_line_from_the_command(tmp_path, monkeypatch, capsys):
+    """attnzoo-train's own record of a new run dir (.hydra) is written before the checks; under a file it is skipped
+    and the checks name paths.output_dir in one line (was a NotADirectoryError traceback; found by
+    scripts/refusal_bench.py, the in-process case of tests/test_bad_input.py never reached it)."""
+    from tests.conftest import cli_train
+
+    (tmp_path / "a.txt").write_text("x")
+    code, out, err = cli_train(["debug=smoke", "data.tokenizer=char", f"paths.output_dir={tmp_path}/a.txt/run",
+                                f"hydra.run.dir={tmp_path}/hydra"], monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and lines == [f"attnzoo: error: paths.output_dir: {tmp_path}/a.txt/run is not writable "
+                                   f"({tmp_path}/a.txt is not a directory); allowed: a writable directory"], err

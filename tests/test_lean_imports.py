@@ -55,24 +55,54 @@ def test_every_console_script_enters_through_attnzoo_cli():
         assert callable(getattr(importlib.import_module(module), func)), (name, target)
 
 
-VALIDATE_PROBE = """
+VALIDATED = [  # the configs VALIDATE_PROBE checks (besides the pattern of every mixer)
+    ["data=mqar"], ["data=noisy_ar"], ["data=copying"], ["data=induction_heads"], ["model=encdec", "data=reversal"],
+    ["model=encdec", "data=addition"], ["model=encoder", "data=text"], ["model=vit", "data=digits"],
+    ["model=swin", "data=digits"], ["model=vlm", "data=shapes"], ["trainer=ddp_cpu", "trainer.context_parallel=2"],
+    ["trainer=fsdp_cpu"], ["model/ffn=moe"], ["model/ffn=mlp"], ["model=gpt2"],
+]
+VALIDATE_PROBE = f"""
 import json, sys
-import attnzoo.training.families, attnzoo.models.encdec_options, attnzoo.models.vision.options
-no_torch = "torch" not in sys.modules
-import attnzoo.mixers, attnzoo.layers.moe, attnzoo.config.registry as r
-r.FFNS.names()
-print(json.dumps({"no_torch": no_torch, "no_dynamo": "torch._dynamo" not in sys.modules}))
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.paths import CONF_DIR
+from attnzoo.config.registry import MIXERS
+from attnzoo.training.config_checks import check_kernels_present, validate
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file
+tmp = Path(sys.argv[1])
+every = "model.pattern=[" + ",".join(MIXERS.names()) + "]"
+runs = [[every, f"model.n_layers={{len(MIXERS.names())}}", "inference.kv_cache_dtype=int8", "data.seq_len=128"]] + {VALIDATED!r}
+checked = 0
+with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    for i, extra in enumerate(runs):
+        cfg = compose("train", overrides=["debug=smoke", f"paths.output_dir={{tmp}}/run{{i}}", *extra])
+        check_kernels_present(validate(cfg))
+        checked += 1
+(tmp / "bad.ckpt").write_bytes(b"PK truncated")
+try:
+    check_checkpoint_file(tmp / "bad.ckpt")
+except ConfigError:
+    checked += 1
+seen = {{"torch": "torch" in sys.modules, "lightning": "lightning" in sys.modules}}
+import attnzoo.layers.moe
+MIXERS.load_all()
+print(json.dumps({{"checked": checked, **seen, "dynamo": "torch._dynamo" in sys.modules}}))
 """
 
 
-def test_validation_modules_leave_torch_and_the_zoo_leaves_dynamo_unimported():
-    """What a refused value costs (issue 45 item 1): the families and the encoder-decoder / vision options that
-    validate() reads import no torch; the mixer and FFN registries (which validate() loads: their config classes
-    live beside the modules) import torch but not torch._dynamo (~2 s on a 2-core machine)."""
+def test_config_checks_import_neither_torch_nor_lightning(tmp_path):
+    """What a refused value costs (issue 45 item 1): `validate()` of configs that reach every mixer (one pattern of
+    all of them, with a KV format), the data modules, the model families and the trainer presets, and the
+    checkpoint file's check, in one process that imports neither torch nor Lightning (the config dataclasses and
+    what the checks ask of a class are declared torch-free: mixers/configs.py, layers/ffn_configs.py,
+    data/configs.py). Then the whole zoo imported leaves torch._dynamo out (~2 s on a 2-core machine)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "ATTNZOO_FULL_IMPORTS"}
-    out = subprocess.run([sys.executable, "-c", VALIDATE_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", VALIDATE_PROBE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"no_torch": True, "no_dynamo": True}
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"checked": len(VALIDATED) + 2, "torch": False, "lightning": False, "dynamo": False}, got
 
 
 def test_constant_result_sets_the_mark_torch_sets():

@@ -110,6 +110,19 @@ class C:
 # ----------------------------------------------------------------------------- the class attributes
 
 
+def test_the_torch_free_declarations_cover_every_registering_module():
+    """Every module of the mixers and data packages (and the FFNs') is declared in its torch-free specs or listed as a
+    helper, so listing the names for the config checks imports no class (a plugin's module would be imported)."""
+    from attnzoo.config.registry import FFNS
+    from attnzoo.data import DATAMODULES
+
+    for registry in (MIXERS, FFNS, DATAMODULES):
+        assert registry.undeclared_modules() == [], registry.kind
+        for name in registry.names():
+            entry = registry.get(name)
+            assert entry.cls.__module__ == entry.module and entry.config_cls.__module__.endswith("configs"), name
+
+
 def test_every_asked_attribute_is_declared_on_mixer():
     for attr in ASKED:
         assert hasattr(Mixer, attr), attr
@@ -148,7 +161,9 @@ def test_a_built_layer_agrees_with_its_class(name):
     mixer = model.mixers[0]
     assert type(mixer) is entry.cls
     assert mixer.dispatch_family() == entry.cls.kernel_family  # default settings: the fast kernel's family
-    entry.cls.check_seq_len(model.layer_mixers[0], 64, "model.layers[0].mixer")  # whole blocks at 64
+    entry.fact("check_seq_len")(model.layer_mixers[0], 64, "model.layers[0].mixer")  # whole blocks at 64
+    for fact in MIXERS.facts:  # stated on the config dataclass (torch-free), the class's own by registration
+        assert getattr(entry.cls, fact) == entry.fact(fact), fact
     if entry.cls.kv_quantizable:  # a plain KVCache that takes the KV formats
         assert isinstance(mixer.new_cache(1, 8, torch.float32, "cpu"), KVCache)
         fmt = KVFormat("int8", 4, 4)

@@ -93,8 +93,11 @@ def _run_job(cfg: DictConfig) -> float | None:
     if (out / ".hydra").exists():  # an earlier run's dir: its record is rewritten only once this run is accepted
         on_accept = lambda: save_hydra_record(cfg, out)  # noqa: E731
     else:  # a new dir: recorded now, so a job refused in a sweep still shows its overrides in the report
-        save_hydra_record(cfg, out)
         on_accept = None
+        try:
+            save_hydra_record(cfg, out)
+        except OSError:  # an output dir that cannot be written (under a file, read-only): preflight's one line
+            pass
     try:
         from attnzoo.training.config_checks import preflight
 

@@ -7,20 +7,12 @@ The registry imports every module of this package except helpers named `_*` (e.g
 litdata): those are imported by the data module that uses them, when it reads its data, so a `data=text` run never
 imports litdata.
 """
-import importlib
-import pkgutil
+from attnzoo.config.registry import Registry, package_modules
 
-from attnzoo.config.registry import Registry
-
-
-def _load() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):  # a helper imported where it is used (see above)
-            continue
-        importlib.import_module(f"{__name__}.{info.name}")
-
-
-DATAMODULES = Registry("data", _load)
+# every module but the helpers named `_*` (imported where they are used, see above); the config dataclasses of the
+# built-in ones are declared in `configs.py` (torch-free: config checks never import torch or Lightning)
+DATAMODULES = Registry("data", package_modules(__name__, skip=lambda name: name.startswith("_")),
+                       specs="attnzoo.data.configs")
 register_data = DATAMODULES.register
 
 

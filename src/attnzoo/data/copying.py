@@ -18,23 +18,9 @@ import numpy as np
 from attnzoo.config.errors import check
 from attnzoo.data import register_data
 from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, sample_distinct
+from attnzoo.data.configs import CopyingConfig, SelectiveCopyingConfig  # noqa: F401 (torch-free: config checks)
 
 BLANK, SEP, FIRST_DATA = 0, 1, 2
-
-
-@dataclass
-class CopyingConfig(SyntheticConfig):
-    name: str = "copying"
-    vocab_size: int = 16  # 14 data tokens + blank + separator
-    seq_len: int = 64
-    copy_len: int = 8  # n tokens to reproduce; needs 2n <= seq_len
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        check(self.copy_len >= 1, f"{field}.copy_len", "must be >= 1")
-        check(2 * self.copy_len <= self.seq_len, f"{field}.copy_len",
-              f"{self.copy_len} needs seq_len >= {2 * self.copy_len}; allowed: 1 .. {self.seq_len // 2}")
-        check(self.vocab_size >= 3, f"{field}.vocab_size", "must be >= 3 (blank, separator, one data token)")
 
 
 def _answer_tail(stream: np.ndarray, n: int):
@@ -76,11 +62,6 @@ class _CopyModule(SyntheticDataModule):
 @register_data("copying", CopyingConfig)
 class CopyingDataModule(_CopyModule):
     generate = staticmethod(generate_copying)
-
-
-@dataclass
-class SelectiveCopyingConfig(CopyingConfig):
-    name: str = "selective_copying"
 
 
 @register_data("selective_copying", SelectiveCopyingConfig)

@@ -19,34 +19,7 @@ from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
 from attnzoo.data.shapes import ImageDataModule
 from attnzoo.data.synthetic import example_hashes
-
-N_IMAGES = 1797
-
-
-@dataclass
-class DigitsConfig:
-    name: str = "digits"
-    val_size: int = 297  # held-out images (the rest train): 1500 / 297
-    split_seed: int = 0  # the fixed permutation the split is cut from
-    batch_size: int = 64
-    seed: Optional[int] = None  # shuffling seed; null: the run's seed
-    num_workers: int = 0
-    seq_len: int = 1  # one label per image; every data section has a seq_len (the text tasks' context length)
-
-    def validate(self, model, field: str) -> None:
-        check(0 < self.val_size < N_IMAGES, f"{field}.val_size", f"allowed: 1 .. {N_IMAGES - 1}, got {self.val_size}")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(N_IMAGES - self.val_size >= self.batch_size, f"{field}.batch_size",
-              f"{self.batch_size} exceeds the {N_IMAGES - self.val_size} training images; allowed: <= {N_IMAGES - self.val_size}")
-
-    @property
-    def image_size(self) -> int:
-        return 8
-
-    @property
-    def channels(self) -> int:
-        return 1
-
+from attnzoo.data.configs import N_IMAGES, DigitsConfig  # noqa: F401 (torch-free: config checks)
 
 def load_split(cfg: DigitsConfig):
     """((train images, labels), (val images, labels)) as numpy: images (n, 1, 8, 8) float32 in [0, 1]."""

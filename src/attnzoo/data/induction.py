@@ -16,20 +16,9 @@ import numpy as np
 from attnzoo.config.errors import check
 from attnzoo.data import register_data
 from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule
+from attnzoo.data.configs import InductionConfig  # noqa: F401 (torch-free: config checks)
 
 TRIGGER = 0
-
-
-@dataclass
-class InductionConfig(SyntheticConfig):
-    name: str = "induction_heads"
-    vocab_size: int = 64
-    seq_len: int = 256
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        check(self.seq_len >= 4, f"{field}.seq_len", f"must be >= 4, got {self.seq_len}")
-        check(self.vocab_size >= 3, f"{field}.vocab_size", "must be >= 3")
 
 
 def generate_induction(cfg, n: int, rng: np.random.Generator):

@@ -20,30 +20,7 @@ import numpy as np
 from attnzoo.config.errors import check
 from attnzoo.data import register_data
 from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
-
-
-@dataclass
-class MQARConfig(SyntheticConfig):
-    name: str = "mqar"
-    vocab_size: int = 8192
-    seq_len: int = 256
-    num_kv_pairs: int = 16  # N; clipped to seq_len // 4 (needs 4N <= L), e.g. when debug=smoke shrinks seq_len
-    power_a: float = 0.01  # power-law exponent of the query gaps
-    random_non_queries: bool = True  # filler tokens random from [0, V) (Zoology); false: 0
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        check(self.num_kv_pairs >= 1, f"{field}.num_kv_pairs", f"must be >= 1, got {self.num_kv_pairs}")
-        check(self.seq_len >= 4, f"{field}.seq_len", f"must be >= 4 (4 * num_kv_pairs), got {self.seq_len}")
-        n = effective_pairs(self)
-        check(self.vocab_size // 2 - 1 >= n, f"{field}.vocab_size",
-              f"{self.vocab_size} leaves {self.vocab_size // 2 - 1} keys for {n} pairs; allowed: >= {2 * n + 2}")
-        check(0 < self.power_a <= 1, f"{field}.power_a", f"must be in (0, 1], got {self.power_a}")
-
-
-def effective_pairs(cfg) -> int:
-    """The number of pairs actually used: num_kv_pairs, clipped so that 4N <= seq_len."""
-    return max(1, min(cfg.num_kv_pairs, cfg.seq_len // 4))
+from attnzoo.data.configs import MQARConfig, NoisyARConfig, effective_pairs, noise_tokens  # noqa: F401 (torch-free: config checks)
 
 
 def generate_mqar(cfg, n: int, rng: np.random.Generator):
@@ -94,37 +71,6 @@ class MQARDataModule(SyntheticDataModule):
 
 
 # ----------------------------------------------------------------------------- noisy_ar
-
-
-@dataclass
-class NoisyARConfig(SyntheticConfig):
-    """Associative recall with noise: the N pairs are interleaved with `noise_len` noise tokens from a
-    reserved range [V - noise_vocab, V) that never serves as a key or value; then the N keys are queried
-    in random order at random positions of the query region, the rest of which is noise too."""
-
-    name: str = "noisy_ar"
-    vocab_size: int = 8192
-    seq_len: int = 256
-    num_kv_pairs: int = 16  # clipped to seq_len // 4
-    noise_len: Optional[int] = None  # noise tokens among the pairs; null: (seq_len - 3N) // 2
-    noise_vocab: int = 16
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        check(self.num_kv_pairs >= 1, f"{field}.num_kv_pairs", f"must be >= 1, got {self.num_kv_pairs}")
-        check(self.seq_len >= 4, f"{field}.seq_len", f"must be >= 4, got {self.seq_len}")
-        check(self.noise_vocab >= 1, f"{field}.noise_vocab", "must be >= 1")
-        n = effective_pairs(self)
-        kv = self.vocab_size - self.noise_vocab
-        check(kv // 2 - 1 >= n, f"{field}.vocab_size", f"{self.vocab_size} minus noise_vocab={self.noise_vocab} leaves too few keys for {n} pairs")
-        noise = noise_tokens(self)
-        check(0 <= noise <= self.seq_len - 3 * n, f"{field}.noise_len",
-              f"{noise} does not fit: allowed 0 .. seq_len - 3 * num_kv_pairs = {self.seq_len - 3 * n}")
-
-
-def noise_tokens(cfg) -> int:
-    n = effective_pairs(cfg)
-    return cfg.noise_len if cfg.noise_len is not None else (cfg.seq_len - 3 * n) // 2
 
 
 def generate_noisy_ar(cfg, n: int, rng: np.random.Generator):

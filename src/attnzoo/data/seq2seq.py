@@ -29,30 +29,7 @@ from attnzoo.config.errors import check
 from attnzoo.data import register_data
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.synthetic import make_splits
-
-PAD, BOS, EOS, FIRST_SYMBOL = 0, 1, 2, 3
-
-
-@dataclass
-class Seq2SeqConfig:
-    name: str = "reversal"
-    vocab_size: int = 16  # 3 specials (pad, bos, eos) + task symbols
-    seq_len: int = 16  # longest source (sources are padded to it); targets are one longer (EOS)
-    min_len: int = 1  # shortest source
-    batch_size: int = 64
-    train_size: int = 20_000
-    val_size: int = 500
-    seed: Optional[int] = None  # data seed; null: the run's seed
-    num_workers: int = 0
-
-    def validate(self, model, field: str) -> None:
-        check(self.vocab_size >= FIRST_SYMBOL + 2, f"{field}.vocab_size",
-              f"must be >= {FIRST_SYMBOL + 2} (pad, bos, eos and two symbols), got {self.vocab_size}")
-        check(1 <= self.min_len <= self.seq_len, f"{field}.min_len", f"must be in [1, seq_len={self.seq_len}], got {self.min_len}")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.train_size >= self.batch_size, f"{field}.train_size", "must be >= batch_size")
-        check(self.val_size > 0, f"{field}.val_size", "must be positive")
-
+from attnzoo.data.configs import PAD, BOS, EOS, FIRST_SYMBOL, Seq2SeqConfig, AdditionConfig, SortingConfig  # noqa: F401 (torch-free: config checks)
 
 def _random_sources(cfg, n: int, rng: np.random.Generator):
     lengths = rng.integers(cfg.min_len, cfg.seq_len + 1, size=n)
@@ -82,21 +59,6 @@ def generate_sorting(cfg, n: int, rng: np.random.Generator):
     big = np.iinfo(np.int64).max
     srt = np.sort(np.where(mask, src, big), axis=1)  # real symbols first, ascending
     return src, _targets(np.where(srt == big, PAD, srt), lengths, cfg.seq_len + 1), mask
-
-
-@dataclass
-class AdditionConfig(Seq2SeqConfig):
-    name: str = "addition"
-    vocab_size: int = 14  # pad, bos, eos, digits 0-9, '+'
-    max_digits: int = 4  # operands have 1 .. max_digits digits; needs 2 * max_digits + 1 <= seq_len
-    seq_len: int = 9
-
-    def validate(self, model, field: str) -> None:
-        check(self.vocab_size == 14, f"{field}.vocab_size", f"is fixed by the task; allowed: 14, got {self.vocab_size}")
-        check(self.max_digits >= 1, f"{field}.max_digits", "must be >= 1")
-        check(2 * self.max_digits + 1 <= self.seq_len, f"{field}.max_digits",
-              f"{self.max_digits} needs seq_len >= {2 * self.max_digits + 1}; allowed: 1 .. {(self.seq_len - 1) // 2}")
-        super().validate(model, field)
 
 
 PLUS = FIRST_SYMBOL + 10
@@ -157,11 +119,6 @@ class Seq2SeqDataModule(ResumableDataMixin, L.LightningDataModule):
 @register_data("reversal", Seq2SeqConfig)
 class ReversalDataModule(Seq2SeqDataModule):
     generate = staticmethod(generate_reversal)
-
-
-@dataclass
-class SortingConfig(Seq2SeqConfig):
-    name: str = "sorting"
 
 
 @register_data("sorting", SortingConfig)

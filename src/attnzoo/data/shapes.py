@@ -36,72 +36,14 @@ from attnzoo.config.errors import check, check_choice
 from attnzoo.data import register_data
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.synthetic import make_splits
+from attnzoo.data.configs import COLOURS, SHAPES, NUMBERS, TASKS, LONGEST_QUESTION, ShapesConfig  # noqa: F401 (torch-free: config checks)
 
-COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan")
 RGB = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255))
-SHAPES = ("square", "circle", "triangle", "cross")
-NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 WORDS = ("?", "what", "colour", "shape", "is", "the", "object", "how", "many", "left", "of", "above", "and")
 VOCAB = SPECIALS + WORDS + COLOURS + SHAPES + NUMBERS  # one fixed word list: ids do not depend on the config
 WORD_ID = {w: i for i, w in enumerate(VOCAB)}
 PAD, BOS, EOS = 0, 1, 2
-TASKS = ("classify", "caption", "vqa")
-LONGEST_QUESTION = 10  # "what colour is the triangle left of the circle ?" (9 words) + the answer
-
-
-@dataclass
-class ShapesConfig:
-    name: str = "shapes"
-    task: str = "vqa"  # classify | caption | vqa
-    canvas: int = 16  # image side in pixels
-    grid: int = 2  # grid x grid cells, at most one object per cell; canvas must be a multiple of grid
-    min_objects: int = 1
-    max_objects: int = 2  # <= grid * grid
-    n_shapes: int = 3  # the first n of square, circle, triangle, cross
-    n_colours: int = 4  # the first n of red, green, blue, yellow, magenta, cyan
-    relations: bool = True  # vqa: also "what colour is the <shape> left of / above the <shape> ?"
-    seq_len: int = 16  # text tokens per example (question + answer + <eos>, right-padded)
-    batch_size: int = 64
-    train_size: int = 4000
-    val_size: int = 400  # scenes disjoint from the training scenes (hashed)
-    seed: Optional[int] = None  # data seed; null: the run's seed
-    num_workers: int = 0
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.task, f"{field}.task", TASKS)
-        check(self.grid >= 1, f"{field}.grid", f"must be >= 1, got {self.grid}")
-        check(self.canvas >= 4 * self.grid and self.canvas % self.grid == 0, f"{field}.canvas",
-              f"{self.canvas} is not a multiple of grid={self.grid} with cells of >= 4 pixels; allowed: "
-              f"{4 * self.grid}, {5 * self.grid}, {6 * self.grid}, ...")
-        check(1 <= self.min_objects <= self.max_objects, f"{field}.min_objects",
-              f"must be in [1, max_objects={self.max_objects}], got {self.min_objects}")
-        check(self.max_objects <= min(self.grid * self.grid, len(NUMBERS) - 1), f"{field}.max_objects",
-              f"{self.max_objects} objects do not fit one per cell of a {self.grid}x{self.grid} grid; allowed: "
-              f"<= {min(self.grid * self.grid, len(NUMBERS) - 1)}")
-        check(2 <= self.n_shapes <= len(SHAPES), f"{field}.n_shapes", f"allowed: 2 .. {len(SHAPES)}, got {self.n_shapes}")
-        check(2 <= self.n_colours <= len(COLOURS), f"{field}.n_colours", f"allowed: 2 .. {len(COLOURS)}, got {self.n_colours}")
-        need = self.text_len()
-        check(self.seq_len >= need, f"{field}.seq_len", f"{self.seq_len} cannot hold the longest {self.task} "
-              f"example ({need} tokens); allowed: >= {need}")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.train_size >= self.batch_size, f"{field}.train_size", f"{self.train_size} is smaller than "
-              f"batch_size={self.batch_size}; allowed: >= batch_size")
-        check(self.val_size > 0, f"{field}.val_size", "must be positive")
-
-    def text_len(self) -> int:
-        """Input tokens of the longest example: <bos> + prompt + answer (the <eos> is only a target)."""
-        if self.task == "caption":
-            return 1 + 3 * self.max_objects - 1  # colour shape [and colour shape ...]
-        return 1 + LONGEST_QUESTION if self.task == "vqa" else 1
-
-    @property
-    def image_size(self) -> int:
-        return self.canvas
-
-    @property
-    def channels(self) -> int:
-        return 3
 
 
 def shape_mask(kind: str, s: int) -> np.ndarray:

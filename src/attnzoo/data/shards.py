@@ -34,82 +34,16 @@ from attnzoo.data.prepare import read_manifest as read_prepared_manifest
 from attnzoo.data.prepare_tokens import tokenizer_source
 from attnzoo.data.tokenizer import FileTokenizer
 from attnzoo.data.sampling import end_with_the_rank
+from attnzoo.data.configs import PREPARE, ShardsDataConfig, _relabel, prepare_options, read_manifest  # noqa: F401 (torch-free: config checks)
 
 if TYPE_CHECKING:  # litdata itself is imported where shards are read (data/_shards_loader.py), not by every run
     from litdata import StreamingDataLoader, StreamingDataset
 
     from attnzoo.data._shards_loader import ShardsLoader
 
-PREPARE = "attnzoo-data prepare SRC OUT"
 # Lightning warns that an IterableDataset with __len__ may repeat data across workers; litdata gives each
 # worker its own share (tests/test_shards.py: every block exactly once)
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
-
-
-@dataclass
-class ShardsDataConfig:
-    natural_text: ClassVar[bool] = True  # loss / perplexity, no answer accuracy (training/families.py)
-    name: str = "shards"
-    path: Optional[str] = None  # OUT of `attnzoo-data prepare SRC OUT` (its manifest.json, tokenizer.json, train/, val/)
-    seq_len: int = 256
-    batch_size: int = 16
-    num_workers: int = 2  # loader worker processes per rank (each streams its own share of the shards)
-    # document masks from the end-of-text ids inside each block: attention never crosses a document start,
-    # recurrent state resets, positions restart (packing.py). false: plain blocks that run across documents
-    packing: bool = False
-    shuffle: bool = True  # the training blocks' order, per epoch from the run's seed (validation: in order)
-    # the embedding rows: null = the prepared tokenizer's vocabulary (the manifest's); more for a model whose
-    # embedding is larger than its tokenizer (model.init_from), never fewer
-    vocab_size: Optional[int] = None
-    # instead of path: a source `attnzoo-data prepare` reads, prepared on first use into paths.cache_dir/shards/<key>
-    # (key: the source's fingerprint + the prepare options), once for every job of a sweep and every rank
-    source: Optional[str] = None
-    prepare: dict = field(default_factory=dict)  # with source: attnzoo-data prepare's options, e.g. {vocab_size: 8192}
-
-    def validate(self, model, field: str) -> None:
-        check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.path is None or self.source is None, f"{field}.source", f"{self.source!r} given with "
-              f"{field}.path={self.path!r}; allowed: one of them (a prepared folder, or a source prepared on first use)")
-        check(self.path is not None or self.source is not None, f"{field}.path", f"is required with data=shards; "
-              f"allowed: a folder written by `{PREPARE}` (or {field}.source=SRC, prepared on first use)")
-        if self.source is not None:  # the source and the options checked now; the manifest once it is prepared
-            prepare_options(self.source, self.prepare, field)
-            return
-        check(not self.prepare, f"{field}.prepare", f"{self.prepare} without {field}.source; allowed: options of "
-              f"the prepare of {field}.source")
-        manifest = read_manifest(self.path, f"{field}.path")
-        vocab = int(manifest["tokenizer"]["vocab_size"])
-        if self.vocab_size is not None:
-            check(self.vocab_size >= vocab, f"{field}.vocab_size", f"{self.vocab_size} embedding rows, fewer than "
-                  f"{self.path}'s tokenizer ({vocab} tokens); allowed: >= {vocab}, or null (the manifest's)")
-        rows = getattr(model, "vocab_size", None)  # set by model.init_from (the imported embedding); else from here
-        if rows is not None:
-            check(rows >= vocab, "model.vocab_size", f"{rows} embedding rows, fewer than {self.path}'s tokenizer "
-                  f"({vocab} tokens); allowed: a model with >= {vocab}, or a corpus prepared with its tokenizer")
-        longest = manifest["splits"]["train"].get("max_document_tokens")
-        if self.packing and longest is not None:
-            check(self.seq_len <= longest, f"{field}.seq_len", f"{self.seq_len} is longer than every document of "
-                  f"{self.path} (the longest: {longest} tokens): with data.packing=true no token would see more "
-                  f"than {longest} tokens of context; allowed: <= {longest}, or data.packing=false")
-
-
-def _relabel(e: ConfigError, field: str) -> ConfigError:
-    """prepare's refusal (fields SRC, --vocab-size, prepare) as this config's (data.source, data.prepare.vocab_size)."""
-    where = {"SRC": f"{field}.source", "prepare": f"{field}.prepare"}.get(e.field or "")
-    if where is None:
-        where = f"{field}.prepare." + (e.field or "").removeprefix("--").replace("-", "_")
-    return ConfigError(str(e).removeprefix(f"{e.field}: "), field=where)
-
-
-def prepare_options(source: str, options: dict, field: str = "data") -> tuple[PrepareOptions, dict, dict]:
-    """(the options, the source record, the tokenizer identity) of data.source + data.prepare, checked: one line
-    naming data.source / data.prepare.<option>. progress is the command's; the rest shapes the prepared folder."""
-    try:
-        o = checked_options(options, exclude=("progress",))
-        return o, resolve_source(str(source), o)[0], tokenizer_source(o)[1]
-    except ConfigError as e:
-        raise _relabel(e, field) from None
 
 
 def prepared_source(source: str, options: dict, cache_dir: str) -> Path:
@@ -131,20 +65,6 @@ def prepared_source(source: str, options: dict, cache_dir: str) -> Path:
         except ConfigError as e:
             raise _relabel(e, "data") from None
     return out
-
-
-def read_manifest(path: str, field: str = "data.path") -> dict:
-    """OUT/manifest.json, checked as `attnzoo-data info` checks it (a finished prepare output of a version this
-    attnzoo reads: prepare.read_manifest), with its tokenizer and splits present. One-line ConfigError naming
-    `field` otherwise."""
-    try:
-        manifest = read_prepared_manifest(path)
-    except ConfigError as e:
-        raise ConfigError(str(e).removeprefix(f"{e.field}: "), field=field) from None
-    for part in ("tokenizer.json", "train/index.json", "val/index.json"):
-        if not (Path(path).expanduser() / part).is_file():
-            raise ConfigError(f"{path} has no {part}; allowed: a folder written by `{PREPARE}`", field=field)
-    return manifest
 
 
 def read_split_index(split_dir: Path, field: str = "data.path") -> dict:

@@ -22,30 +22,9 @@ from torch.utils.data import TensorDataset
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data.sampling import ResumableDataMixin
+from attnzoo.data.configs import SyntheticConfig  # noqa: F401 (torch-free: config checks)
 
 log = logging.getLogger("attnzoo")
-
-
-@dataclass
-class SyntheticConfig:
-    """Fields every synthetic task has; a task's config subclasses it (its `name` first)."""
-
-    name: str = "synthetic"
-    vocab_size: int = 8192
-    seq_len: int = 256
-    batch_size: int = 64
-    train_size: int = 20_000  # training examples (drawn once, reshuffled every epoch)
-    val_size: int = 1_000  # held-out examples, disjoint from the training ones
-    seed: Optional[int] = None  # data seed; null: the run's seed
-    num_workers: int = 0
-
-    def validate(self, model, field: str) -> None:
-        check(self.seq_len > 1, f"{field}.seq_len", f"must be > 1, got {self.seq_len}")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.train_size >= self.batch_size, f"{field}.train_size",
-              f"{self.train_size} is smaller than batch_size={self.batch_size}; allowed: >= batch_size")
-        check(self.val_size > 0, f"{field}.val_size", "must be positive")
-        check(self.vocab_size >= 4, f"{field}.vocab_size", f"must be >= 4, got {self.vocab_size}")
 
 
 # ----------------------------------------------------------------------------- sampling helpers

@@ -13,48 +13,7 @@ from attnzoo.data import register_data
 from attnzoo.data.corpus import cap_notice, load_corpus, load_documents, text_sha
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
-
-
-@dataclass
-class TextDataConfig:
-    natural_text: ClassVar[bool] = True  # loss / perplexity, no answer accuracy (training/families.py)
-    name: str = "text"
-    path: Optional[str] = None  # null: the embedded corpus (this Python's stdlib sources); or a file / folder
-    # cap on corpus characters read (a data.path cut by it is reported in one line naming `attnzoo-data prepare`,
-    # which prepares a corpus of any size for data=shards); null: all of it, in memory
-    max_chars: Optional[int] = 2_000_000
-    tokenizer: str = "bpe"  # bpe | char | file (tokenizer_file)
-    # bpe: the vocabulary learned; char: unused (the corpus's characters); file: the embedding rows, >= the
-    # file's tokens (model.init_from sets it to the imported model's vocab_size)
-    vocab_size: int = 2048
-    # a HF `tokenizers` JSON (tokenizer.json) for tokenizer=file; model.init_from sets it (and tokenizer=file)
-    # when its directory has one, so the corpus is encoded as the imported model was trained
-    tokenizer_file: Optional[str] = None
-    seq_len: int = 256
-    batch_size: int = 16
-    val_fraction: float = 0.05  # the last fraction of the token stream
-    num_workers: int = 0
-    # documents (the corpus's files, each after an <|endoftext|> separator) packed into rows without padding,
-    # with document masks: attention never crosses a document start, recurrent state resets, positions restart
-    # (packing.py). false: the stream cut into blocks that run across documents (no masks)
-    packing: bool = False
-    # one document per row, padded (the baseline packing is measured against); documents longer than a row
-    # continue in the next rows. Same targets as packing
-    pad_documents: bool = False
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.tokenizer, f"{field}.tokenizer", ("bpe", "char", "file"))
-        if self.tokenizer == "file":
-            check(self.tokenizer_file is not None, f"{field}.tokenizer_file", "must be set with tokenizer=file "
-                  "(a HF tokenizers JSON, e.g. a transformers model's tokenizer.json)")
-        check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(0.0 < self.val_fraction < 0.5, f"{field}.val_fraction", "must be in (0, 0.5)")
-        if self.tokenizer == "bpe":
-            check(self.vocab_size >= 260, f"{field}.vocab_size", "must be >= 260 (256 bytes + specials) for bpe")
-        check(self.vocab_size > 0, f"{field}.vocab_size", "must be positive")
-        check(not (self.packing and self.pad_documents), f"{field}.pad_documents",
-              "packing and pad_documents are two layouts of the same documents; allowed: one of them true")
+from attnzoo.data.configs import TextDataConfig  # noqa: F401 (torch-free: config checks)
 
 
 class Blocks(Dataset):

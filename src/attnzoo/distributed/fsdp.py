@@ -15,14 +15,7 @@ from torch import nn
 from attnzoo.config.errors import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by the coordinator
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A complete torch.distributed.checkpoint folder as FSDPStrategy writes it (a link to one included)."""
-    p = Path(path)
-    return p.is_dir() and (p / META).is_file() and (p / DCP_METADATA).is_file()
+from attnzoo.distributed.checkpoint_files import DCP_METADATA, META, is_sharded_checkpoint  # noqa: E402,F401
 
 
 # What a torch.distributed.checkpoint `.metadata` holds (torch 2.5-2.13): DCP's own dataclasses, torch.Size, dtypes,

@@ -14,6 +14,7 @@ from torch import nn
 
 from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import register_ffn
+from attnzoo.layers.ffn_configs import MLPConfig, SwiGLUConfig, NoFFNConfig  # noqa: F401 (torch-free: config checks)
 
 
 def hidden_size(d_model: int, d_ff: Optional[int], mult: float, multiple_of: int) -> int:
@@ -21,21 +22,6 @@ def hidden_size(d_model: int, d_ff: Optional[int], mult: float, multiple_of: int
         return int(d_ff)
     h = int(d_model * mult)
     return multiple_of * ((h + multiple_of - 1) // multiple_of)
-
-
-@dataclass
-class MLPConfig:
-    name: str = "mlp"
-    d_ff: Optional[int] = None  # default: hidden_mult * d_model
-    hidden_mult: float = 4.0
-    multiple_of: int = 1
-    activation: str = "gelu"  # gelu | relu
-    bias: bool = True
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.activation, f"{field}.activation", ("gelu", "relu"))
-        if self.d_ff is not None and self.d_ff <= 0:
-            raise ConfigError("must be positive", field=f"{field}.d_ff")
 
 
 @register_ffn("mlp", MLPConfig)
@@ -56,19 +42,6 @@ class MLP(nn.Module):
         return 2.0 * 2 * self.up.in_features * self.hidden
 
 
-@dataclass
-class SwiGLUConfig:
-    name: str = "swiglu"
-    d_ff: Optional[int] = None  # default: hidden_mult * d_model rounded up to multiple_of
-    hidden_mult: float = 8.0 / 3.0  # keeps parameters equal to a 4x MLP (Shazeer 2020)
-    multiple_of: int = 32
-    bias: bool = False
-
-    def validate(self, model, field: str) -> None:
-        if self.d_ff is not None and self.d_ff <= 0:
-            raise ConfigError("must be positive", field=f"{field}.d_ff")
-
-
 @register_ffn("swiglu", SwiGLUConfig)
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer 2020, Llama). gate and up are one fused matmul."""
@@ -85,11 +58,6 @@ class SwiGLU(nn.Module):
 
     def flops_per_token(self) -> float:
         return 2.0 * 3 * self.gate_up.in_features * self.hidden
-
-
-@dataclass
-class NoFFNConfig:
-    name: str = "none"
 
 
 @register_ffn("none", NoFFNConfig)

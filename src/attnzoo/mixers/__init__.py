@@ -1,12 +1,6 @@
-"""Token mixers. Importing this package imports every module in it, so each `@register_mixer` runs.
+"""Token mixers: one module a mixer (its `nn.Module`, registered with `@register_mixer`), their config dataclasses in
+`configs.py` (torch-free). Importing the package imports nothing: the registry (config/registry.MIXERS) finds the
+modules by name and imports a mixer's when it is first built.
 
 A new mixer = one file here + one yaml in conf/model/mixer/; the shared tests pick it up from the registry.
 """
-import importlib
-import pkgutil
-
-from attnzoo.mixers.base import Mixer  # noqa: F401
-
-for _info in pkgutil.iter_modules(__path__):
-    if _info.name != "base":
-        importlib.import_module(f"{__name__}.{_info.name}")

@@ -35,55 +35,13 @@ from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.attention_cache import KVCache, SlidingWindowCache, StaticKVCache, with_chunk
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, Mixer, causal_attended, dtype_bytes,
                                  validate_conv)
-
-
-@dataclass
-class AttentionConfig:
-    name: str = "gqa"
-    n_kv_heads: Optional[int] = None  # overrides model.n_kv_heads for this mixer (mha/mqa force theirs)
-    qkv_bias: bool = False
-    out_bias: bool = False
-    softmax_scale: Optional[float] = None  # default head_dim ** -0.5; µP: softmax_scale / head_dim (null: 1)
-    causal: bool = True
-    conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
-    conv_bias: bool = False
-    # per-head RMSNorm of q and k over head_dim, after the projection and before RoPE (Qwen3; Dehghani et al.
-    # 2023 ViT-22B, Wortsman et al. 2023 for the stability motive); weights of size head_dim, eps model.norm.eps
-    qk_norm: bool = False
-    # y * sigmoid(x W_g) per head and channel before o_proj (Qwen3-Next's gated attention; Qiu et al. 2025,
-    # arXiv:2505.06708); W_g is `gate_proj` (d_model -> n_heads * head_dim, biased with qkv_bias)
-    output_gate: bool = False
-
-    def kv_heads(self, model) -> int:
-        if self.name == "mha":
-            return model.n_heads
-        if self.name == "mqa":
-            return 1
-        return self.n_kv_heads or model.n_kv_heads
-
-    def validate(self, model, field: str) -> None:
-        kv = self.kv_heads(model)
-        if kv <= 0 or model.n_heads % kv != 0:
-            allowed = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]
-            raise ConfigError(
-                f"n_heads={model.n_heads} is not divisible by n_kv_heads={kv}; allowed: {', '.join(map(str, allowed))}",
-                # name the field the value came from: the mixer's own, or the model-wide default
-                field=f"{field}.n_kv_heads" if self.n_kv_heads else "model.n_kv_heads",
-            )
-        validate_conv(self, field)
-        if model.position.name == "alibi" and (getattr(self, "window", None) is not None):
-            raise ConfigError("alibi is implemented for mha / gqa / mqa (the sliding-window ring keeps keys in slot "
-                              "order); allowed positions here: rope, none, sinusoidal, learned", field="model.position.name")
+from attnzoo.mixers.configs import AttentionConfig, SlidingWindowConfig  # noqa: F401 (torch-free: config checks)
 
 
 class Attention(Mixer):
     window: Optional[int] = None  # sliding-window subclasses set this
     sinks: int = 0  # and this (attention sinks)
-    context_parallel = True  # ring attention (forward_context_parallel)
-    full_causal_attention = True  # every past key: the zigzag layout balances the ring
     kernel_family = "softmax"
-    kv_quantizable = True  # a plain KVCache (new_cache / cache_bytes take kv_format)
-    bidirectional = True  # causal=false through project() / output() (the encoder, cross-attention kinds)
     linearize_source = True  # q/k/v/o seed a linear mixer (training/linearize.py)
     hf_layer = HF_FULL_ATTENTION  # Llama / Qwen2 / Qwen3 / Mixtral, Qwen3-Next's attention layers
 
@@ -345,34 +303,12 @@ for _name in ("mha", "gqa", "mqa"):
     register_mixer(_name, AttentionConfig)(Attention)
 
 
-@dataclass
-class SlidingWindowConfig(AttentionConfig):
-    name: str = "sliding_window"
-    window: int = 128  # W: query t sees keys t-W+1 .. t (W keys including itself); Mistral 7B uses 4096
-    sink_tokens: int = 0  # StreamingLLM attention sinks: the first k tokens stay visible to every query
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        if self.window < 1:
-            raise ConfigError(f"must be >= 1, got {self.window}", field=f"{field}.window")
-        if self.sink_tokens < 0:
-            raise ConfigError(f"must be >= 0 (0 = none), got {self.sink_tokens}", field=f"{field}.sink_tokens")
-        if self.sink_tokens > self.window:  # sinks are the tokens that stay visible after leaving the window
-            raise ConfigError(f"{self.sink_tokens} sink tokens exceed the window {self.window}; allowed: 0 .. "
-                              f"{self.window} (0 = none)", field=f"{field}.sink_tokens")
-        if not self.causal:
-            raise ConfigError("sliding_window is causal only; allowed: true", field=f"{field}.causal")
-
-
 @register_mixer("sliding_window", SlidingWindowConfig)
 class SlidingWindowAttention(Attention):
     """GQA restricted to the last W keys. Prefill: band-masked SDPA in query blocks (O(T * W));
     decode: a `SlidingWindowCache` ring buffer that never holds more than W tokens."""
 
-    full_causal_attention = False  # W keys per query: equal work per contiguous shard, one ring hop
     kernel_family = "window"
-    kv_quantizable = False  # its own ring cache
-    bidirectional = False  # causal only (SlidingWindowConfig.validate)
     hf_layer = HF_SLIDING_ATTENTION  # Mistral, Mixtral with a window
 
     def __init__(self, cfg: SlidingWindowConfig, model_cfg, layer_idx: int):
@@ -406,15 +342,6 @@ class SlidingWindowAttention(Attention):
     def dispatch_family(self) -> str:
         # sinks run their own masked forward; flex has no dropout, and Inductor compiles it for head sizes >= 16 only
         return "other" if self.sinks or self.dropout or self.head_dim < FLEX_MIN_HEAD_DIM else self.kernel_family
-
-    @classmethod
-    def check_seq_len(cls, cfg: SlidingWindowConfig, seq_len: int, field: str) -> None:
-        """Fewer sinks than the sequence, or every token would be a sink (full attention, each token cached twice:
-        in the window's ring and beside it)."""
-        sinks = cfg.sink_tokens
-        if sinks >= seq_len and sinks != 0:
-            raise ConfigError(f"{sinks} sink tokens cover the whole data.seq_len={seq_len}; allowed: 0 .. {seq_len - 1}",
-                              field=f"{field}.sink_tokens")
 
     @classmethod
     def hf_mixer_config(cls, c: dict, *, window: int, qkv_bias: bool, out_bias: bool) -> dict:

@@ -264,14 +264,7 @@ HF_LAYERS = (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, HF_LINEAR_ATTENTION, HF_LA
 HF_WINDOW_FIELD = "sliding_window"  # config.json's window size (Mistral, Mixtral; null in Qwen2 / Qwen3)
 
 
-def validate_conv(cfg: Any, field: str) -> None:
-    """A mixer config's `conv_size` (short causal conv, on the input or on q/k/v): >= 0, causal mixers only."""
-    from attnzoo.config.errors import ConfigError
-
-    if cfg.conv_size < 0:
-        raise ConfigError(f"must be >= 0 (0 = no conv), got {cfg.conv_size}", field=f"{field}.conv_size")
-    if cfg.conv_size > 0 and not getattr(cfg, "causal", True):
-        raise ConfigError("the conv is causal; allowed with causal=false: 0", field=f"{field}.conv_size")
+from attnzoo.mixers.configs import validate_conv  # noqa: E402,F401 (torch-free; re-exported for the mixers)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

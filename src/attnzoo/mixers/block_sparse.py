@@ -25,6 +25,7 @@ from attnzoo.mixers.attention import Attention, AttentionConfig
 from attnzoo.mixers.attention_cache import KVCache, StaticKVCache
 from attnzoo.mixers.base import Mixer
 from attnzoo.ops.sparse_attention import block_means
+from attnzoo.mixers.configs import BlockSparseConfig  # noqa: F401 (torch-free: config checks)
 
 
 class BlockMeansCache(KVCache):
@@ -95,46 +96,11 @@ class StaticBlockMeansCache(StaticKVCache):
         return super().filled_bytes(lengths) + per_block * int((lengths // self.block_size).sum())
 
 
-@dataclass
-class BlockSparseConfig(AttentionConfig):
-    block_size: int = 16  # keys per block
-
-    # the subclass's field counting the blocks a query sees, its least value and why (not dataclass fields)
-    COUNT_FIELD = ""
-    COUNT_MIN = 1
-    COUNT_WHY = ""
-
-    def validate(self, model, field: str) -> None:
-        super().validate(model, field)
-        if model.position.name == "alibi":
-            raise ConfigError(f"ALiBi is implemented for mha / gqa / mqa; allowed positions for {self.name}: rope, "
-                              f"none, sinusoidal, learned", field="model.position.name")
-        if self.block_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.block_size}", field=f"{field}.block_size")
-        count, key = getattr(self, self.COUNT_FIELD), f"{field}.{self.COUNT_FIELD}"
-        if count < self.COUNT_MIN:
-            raise ConfigError(f"must be >= {self.COUNT_MIN} ({self.COUNT_WHY}), got {count}", field=key)
-        blocks = -(-model.max_seq_len // self.block_size)
-        if count > blocks:
-            raise ConfigError(f"{count} exceeds the {blocks} blocks of model.max_seq_len={model.max_seq_len} (dense "
-                              f"everywhere); allowed: {self.COUNT_MIN}..{blocks}", field=key)
-        self.validate_own(model, field)
-        if not self.causal:
-            raise ConfigError(f"{self.name} is causal only; allowed: true", field=f"{field}.causal")
-
-    def validate_own(self, model, field: str) -> None:
-        """The subclass's other fields (called before the causal check)."""
-
-
 class BlockSparseAttention(Attention):
     """An `Attention` whose queries see a data-dependent choice of key blocks; subclasses set `cache_values`
     (their cache keeps the blocks' mean values too) and implement forward with `blocks()`."""
 
-    context_parallel = False  # top-k block selection over the whole past: no ring form here
-    full_causal_attention = False
     kernel_family = "block_sparse"
-    kv_quantizable = False  # its cache keeps block means beside the keys
-    bidirectional = False  # causal only
     linearize_source = False
     hf_layer = None
     cache_values = False
@@ -146,13 +112,6 @@ class BlockSparseAttention(Attention):
     def __init__(self, cfg: BlockSparseConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
         self.block_size = cfg.block_size
-
-    @classmethod
-    def check_seq_len(cls, cfg: BlockSparseConfig, seq_len: int, field: str) -> None:
-        """Training sequences are whole blocks."""
-        if seq_len % cfg.block_size:
-            raise ConfigError(f"{cfg.block_size} does not divide data.seq_len={seq_len}; allowed: a divisor of "
-                              f"{seq_len}", field=f"{field}.block_size")
 
     def blocks(self, x: torch.Tensor, positions: torch.Tensor, cache):
         """x (the shifted input) -> q (B, H, T, D), every key / value so far (B, Hkv, S, D) (the cache updated), the

@@ -26,51 +26,11 @@ from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import HF_LINEAR_ATTENTION, validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, l2norm, upcast
-
-
-@dataclass
-class DeltaNetConfig:
-    name: str = "deltanet"
-    n_heads: Optional[int] = None  # q/k heads (null: model.n_heads)
-    n_v_heads: Optional[int] = None  # value heads = states, a multiple of n_heads (null: n_heads)
-    head_dim: Optional[int] = None  # d_k (null: model head_dim)
-    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
-    chunk_size: int = 64  # chunkwise form's chunk length (any T works)
-    conv_size: int = 4  # short causal depthwise conv on q/k/v; 0 = off
-    conv_bias: bool = False
-    qkv_activation: str = "silu"  # after the conv: silu | none
-    allow_neg_eigval: bool = False  # beta in (0, 2) (Grazzi et al. 2024, negative eigenvalues)
-    use_output_norm: bool = True  # per-head RMSNorm on the output
-    use_gate: bool = False  # output gate: norm(o) * silu(W_g x)
-    norm_eps: float = 1e-6
-
-    def sizes(self, model) -> tuple[int, int, int, int]:
-        h = self.n_heads or model.n_heads
-        hv = self.n_v_heads or h
-        dk = self.head_dim or model.head_dim
-        return h, hv, dk, self.v_head_dim or dk
-
-    def validate(self, model, field: str) -> None:
-        h, hv, dk, dv = self.sizes(model)
-        if hv % h != 0:
-            raise ConfigError(f"n_v_heads={hv} is not a multiple of n_heads={h}", field=f"{field}.n_v_heads")
-        if self.chunk_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        validate_conv(self, field)
-        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
-
-
-@dataclass
-class GatedDeltaNetConfig(DeltaNetConfig):
-    name: str = "gated_deltanet"
-    use_gate: bool = True  # Gated DeltaNet: gated RMSNorm on the output (as Qwen3-Next)
-    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range) (Mamba-2)
-    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
+from attnzoo.mixers.configs import DeltaNetConfig, GatedDeltaNetConfig  # noqa: F401 (torch-free: config checks)
 
 
 class DeltaNet(RecurrentMixer):
     gated = False
-    fla_kernel = "chunk_delta_rule"
     hf_missing = ("ungated DeltaNet has no transformers causal-LM counterpart (Qwen3-Next's linear layers are "
                   "gated_deltanet)")
 
@@ -149,7 +109,6 @@ class DeltaNet(RecurrentMixer):
 
 class GatedDeltaNet(DeltaNet):
     gated = True
-    fla_kernel = "chunk_gated_delta_rule"
     hf_layer = HF_LINEAR_ATTENTION  # Qwen3-Next's linear layers
 
     @classmethod

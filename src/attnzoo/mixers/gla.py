@@ -25,33 +25,7 @@ from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, upcast
 from attnzoo.ops.gated_linear_attention import (chunk_gated_linear_attention, gated_linear_attention_recurrent,
                                                 gated_linear_attention_step)
-
-
-@dataclass
-class GLAConfig:
-    name: str = "gla"
-    n_heads: Optional[int] = None  # null: model.n_heads
-    head_dim: Optional[int] = None  # d_k (null: model head_dim; fla's layer: expand_k 0.5, i.e. half of it)
-    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
-    gate_low_rank_dim: int = 16  # the forget gate's low-rank projection d_model -> r -> H d_k
-    gate_logit_normalizer: float = 16.0  # log alpha = logsigmoid(.) / this: alpha = sigmoid(.)^(1/16)
-    # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks
-    chunk_size: int = 16
-    conv_size: int = 0  # short causal depthwise conv on q/k/v (fla's use_short_conv, off by default); 0 = off
-    conv_bias: bool = False
-    qkv_activation: str = "none"  # after the conv: silu (fla's, with its conv) | none
-    use_output_norm: bool = True  # per-head RMSNorm on the output
-    use_gate: bool = True  # output gate: norm(o) * silu(W_g x)
-    norm_eps: float = 1e-5  # fla's
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
-        for key in ("chunk_size", "gate_low_rank_dim"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
-        if self.gate_logit_normalizer <= 0:
-            raise ConfigError(f"must be > 0, got {self.gate_logit_normalizer}", field=f"{field}.gate_logit_normalizer")
-        validate_conv(self, field)
+from attnzoo.mixers.configs import GLAConfig  # noqa: F401 (torch-free: config checks)
 
 
 class GatedLinearMixer(RecurrentMixer):
@@ -60,7 +34,6 @@ class GatedLinearMixer(RecurrentMixer):
     # fla's chunk_gla (a decay per key channel) / chunk_simple_gla (one per head) on CUDA in fp16 / bf16 where
     # model.impl allows (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else
     kernel_family = "linear"
-    fla_kernel = "chunk_gla"  # a log-decay per key channel; RetNet / Mamba2 (one per head) take chunk_simple_gla
 
     # q's scale in the op: None = d_k^-1/2 (GLA, RetNet, HGRN2 as fla runs them); Mamba-2's SSD reads unscaled (1.0)
     scale: Optional[float] = None

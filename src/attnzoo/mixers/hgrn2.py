@@ -28,28 +28,7 @@ from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
 from attnzoo.mixers.recurrent_base import GatedRMSNorm
-
-
-@dataclass
-class HGRN2Config:
-    name: str = "hgrn2"
-    n_heads: Optional[int] = None  # null: model.n_heads
-    head_dim: Optional[int] = None  # d_k: forget-gate channels per head (fla's expand_ratio; null: model head_dim)
-    v_head_dim: Optional[int] = None  # d_v (null: head_dim; fla's layer: d_model / n_heads)
-    lower_bound: float = 0.0  # f = lb + (1 - lb) sigmoid(.), in [0, 1); 0 = off (fla's first layer)
-    # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks
-    chunk_size: int = 16
-    conv_size: int = 0  # short causal depthwise conv on q/f/i (fla's use_short_conv, off by default); 0 = off
-    conv_bias: bool = False
-    use_output_norm: bool = True  # one RMSNorm over all heads' outputs (fla's g_norm)
-    norm_eps: float = 1e-5  # fla's
-
-    def validate(self, model, field: str) -> None:
-        if self.chunk_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        if not 0.0 <= self.lower_bound < 1.0:
-            raise ConfigError(f"must be in [0, 1), got {self.lower_bound}", field=f"{field}.lower_bound")
-        validate_conv(self, field)
+from attnzoo.mixers.configs import HGRN2Config  # noqa: F401 (torch-free: config checks)
 
 
 @register_mixer("hgrn2", HGRN2Config)

@@ -25,9 +25,7 @@ from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attentio
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer
-
-FEATURE_MAPS = ("identity", "elu", "relu", "taylor2")
-
+from attnzoo.mixers.configs import FEATURE_MAPS, LinearAttentionConfig  # noqa: F401 (torch-free: config checks)
 
 def feature_dim_out(feature_map: str, d: int) -> int:
     return 1 + d + d * d if feature_map == "taylor2" else d
@@ -46,35 +44,9 @@ def feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-@dataclass
-class LinearAttentionConfig:
-    name: str = "linear_attention"
-    n_heads: Optional[int] = None  # null: model.n_heads
-    feature_dim: Optional[int] = None  # q/k projection size per head before phi (null: model head_dim)
-    head_dim: Optional[int] = None  # value size per head (null: model head_dim)
-    feature_map: str = "elu"  # identity | elu | relu | taylor2
-    normalize: bool = True  # divide by phi(q) . sum phi(k) (Katharopoulos); needs a positive map
-    norm_eps: float = 1e-6  # for the normaliser and the output RMSNorm
-    scale: Optional[float] = None  # on q; null: feature_dim^-1/2 (1 for taylor2, whose map is scaled)
-    chunk_size: int = 64
-    conv_size: int = 0  # short causal depthwise conv on q/k/v (Based uses one); 0 = off
-    conv_bias: bool = False
-    qkv_activation: str = "none"  # after the conv: silu | none
-    use_output_norm: bool = False
-    use_gate: bool = False
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.feature_map, f"{field}.feature_map", FEATURE_MAPS)
-        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
-        if self.chunk_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        validate_conv(self, field)
-
-
 @register_mixer("linear_attention", LinearAttentionConfig)
 class LinearAttention(RecurrentMixer):
     hf_missing = "linear attention (no softmax) has no transformers causal-LM counterpart"
-    fla_kernel = "chunk_simple_gla"  # with no gate
 
     @classmethod
     def mup_qk_grows(cls, cfg) -> bool:  # the normaliser or the output norm divides the scale out

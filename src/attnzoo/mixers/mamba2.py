@@ -31,45 +31,7 @@ from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
 from attnzoo.mixers.recurrent_base import upcast
-
-
-@dataclass
-class Mamba2Config:
-    name: str = "mamba2"
-    expand: int = 2  # inner width d_inner = expand * d_model (x and the gate z)
-    head_dim: Optional[int] = None  # P, channels per head (null: model head_dim); n_heads = d_inner / P
-    d_state: int = 64  # N: each head's state is N x P; B and C are N wide per group
-    n_groups: int = 1  # B and C groups, each shared by n_heads / n_groups heads
-    chunk_size: int = 64  # chunkwise form's chunk length (one decay per head: a (C, C) decay matrix per chunk)
-    conv_size: int = 4  # causal depthwise conv on [C | B | x] before the SiLU; 0 = off
-    conv_bias: bool = True
-    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range)
-    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
-    dt_init_floor: float = 1e-4  # the sampled dt floored here before the inverse softplus
-    norm_eps: float = 1e-5  # the gated RMSNorm's (mamba_ssm's)
-
-    def sizes(self, model) -> tuple[int, int, int]:
-        """(n_heads, head_dim P, d_state N)."""
-        p = self.head_dim or model.head_dim
-        return self.expand * model.d_model // p, p, self.d_state
-
-    def validate(self, model, field: str) -> None:
-        for key in ("expand", "d_state", "n_groups", "chunk_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
-        p = self.head_dim or model.head_dim
-        inner = self.expand * model.d_model
-        if p < 1 or inner % p:
-            raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
-        if (inner // p) % self.n_groups:
-            raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
-        for key in ("A_init_range", "dt_init_range"):
-            lo, hi = getattr(self, key)
-            if not 0 < lo <= hi:
-                raise ConfigError(f"must be [low, high] with 0 < low <= high, got {[lo, hi]}", field=f"{field}.{key}")
-        if self.dt_init_floor < 0:
-            raise ConfigError(f"must be >= 0, got {self.dt_init_floor}", field=f"{field}.dt_init_floor")
-        validate_conv(self, field)
+from attnzoo.mixers.configs import Mamba2Config  # noqa: F401 (torch-free: config checks)
 
 
 def ssm_decay_init(n_heads: int, A_init_range, dt_init_range, dt_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +65,6 @@ class Mamba2(GatedLinearMixer):
                   "Mamba2Mixer is checked against it in tests/test_hgrn2_mamba2.py)")
     # q / k are B / C shared over groups of heads and v is dt x: no attention layer's q/k/v to seed them
     linearize_target = False
-    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head (dt A)
     scale = 1.0  # SSD reads the state unscaled: y_t = h_t^T C_t
 
     def layout(self, cfg: Mamba2Config, model_cfg) -> dict:

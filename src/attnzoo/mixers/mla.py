@@ -35,6 +35,7 @@ from attnzoo.ops.attention import attention_mask, attention_reference, attention
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import HF_LATENT_ATTENTION, Mixer, causal_attended, dtype_bytes, validate_conv
+from attnzoo.mixers.configs import MLAConfig  # noqa: F401 (torch-free: config checks)
 
 
 class LatentCache(LayerCache):
@@ -89,59 +90,8 @@ class StaticLatentCache(LayerCache):
         return per_token * int(lengths.clamp(max=self.latent.shape[1]).sum()) + tail
 
 
-@dataclass
-class MLAConfig:
-    name: str = "mla"
-    # null sizes derive from head_dim = d_model / n_heads, in DeepSeek-V2's proportions (head_dim 128:
-    # kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128); d_model 32 / 4 heads gives r=32, dn=8, dr=4, dv=8.
-    q_lora_rank: Optional[int] = None  # null: full-rank q projection (as DeepSeek-V2-Lite); V2/V3 use 1536
-    kv_lora_rank: Optional[int] = None  # d_c, the cached latent; null: 4 * head_dim
-    qk_nope_head_dim: Optional[int] = None  # per-head key/query dims without position; null: head_dim
-    qk_rope_head_dim: Optional[int] = None  # d_r, the decoupled RoPE dims (key shared by heads); null: head_dim / 2
-    v_head_dim: Optional[int] = None  # null: head_dim
-    softmax_scale: Optional[float] = None  # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5; µP: it / that sum
-    rope_interleave: bool = False  # rotate (x0,x1),(x2,x3).. pairs as DeepSeek checkpoints (HF rope_interleave)
-    absorb: str = "decode"  # decode: absorbed form for one-token cached steps | always | never
-    bias: bool = False  # biases on q_a_proj, kv_a_proj, o_proj (HF attention_bias)
-    norm_eps: float = 1e-6  # the q and kv latent RMSNorms
-    conv_size: int = 0  # short causal conv on the mixer input (Based / Canon-A, Mixer.shift); 0 = off
-    conv_bias: bool = False
-
-    def sizes(self, model) -> dict:
-        hd = model.head_dim  # resolved by config.resolve_model
-
-        def pick(value, default):  # null -> default; 0 stays 0 so validate() rejects it
-            return default if value is None else value
-
-        return {
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": pick(self.kv_lora_rank, 4 * hd),
-            "qk_nope_head_dim": pick(self.qk_nope_head_dim, hd),
-            "qk_rope_head_dim": pick(self.qk_rope_head_dim, max(2, hd // 2 - (hd // 2) % 2)),
-            "v_head_dim": pick(self.v_head_dim, hd),
-        }
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.absorb, f"{field}.absorb", ("decode", "always", "never"))
-        if model.position.name == "alibi":
-            raise ConfigError("MLA's position is its decoupled RoPE key; allowed positions: rope, none",
-                              field="model.position.name")
-        for key, value in self.sizes(model).items():
-            if value is not None and value <= 0:
-                raise ConfigError(f"must be positive or null, got {value}", field=f"{field}.{key}")
-        dr = self.sizes(model)["qk_rope_head_dim"]
-        if dr % 2:
-            raise ConfigError(f"must be even (RoPE rotates pairs), got {dr}", field=f"{field}.qk_rope_head_dim")
-        if model.position.name == "rope" and getattr(model.position, "scaling", "none") == "dynamic" and dr <= 2:
-            raise ConfigError(f"{dr} rotates 2 channels; dynamic NTK scales theta by a power dim/(dim-2); allowed "
-                              f"with model.position.scaling=dynamic: >= 4", field=f"{field}.qk_rope_head_dim")
-        validate_conv(self, field)
-
-
 @register_mixer("mla", MLAConfig)
 class MLA(Mixer):
-    context_parallel = True  # ring attention over the expanded K/V (forward)
-    full_causal_attention = True  # every past key: the zigzag layout balances the ring
     kernel_family = "latent"
     hf_layer = HF_LATENT_ATTENTION  # DeepSeek-V3
 

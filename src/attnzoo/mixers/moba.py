@@ -20,15 +20,7 @@ from attnzoo.ops.sparse_attention import moba_attention, moba_attention_static, 
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import dtype_bytes
 from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
-
-
-@dataclass
-class MoBAConfig(BlockSparseConfig):
-    name: str = "moba"
-    block_size: int = 16  # keys per block (the paper: 512 at 8k context, 4096 at 32k+)
-    topk: int = 3         # blocks per query, its own block included (the paper: 3 at 8k, 12 at 32k+)
-
-    COUNT_FIELD, COUNT_MIN, COUNT_WHY = "topk", 1, "the own block counts"
+from attnzoo.mixers.configs import MoBAConfig  # noqa: F401 (torch-free: config checks)
 
 
 @register_mixer("moba", MoBAConfig)

@@ -26,20 +26,7 @@ from attnzoo.ops.sparse_attention import nsa_attention, nsa_attention_static, ns
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import causal_attended, dtype_bytes
 from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
-
-
-@dataclass
-class NSAConfig(BlockSparseConfig):
-    name: str = "nsa"
-    block_size: int = 16   # BS: compression and selection block (fla: one size for both; the paper 32 / 64)
-    block_counts: int = 4  # selected blocks per query, the first, previous and current included (>= 3)
-    window: int = 32       # the sliding branch's keys per query (itself included); 0 = no sliding branch
-
-    COUNT_FIELD, COUNT_MIN, COUNT_WHY = "block_counts", 3, "the first, previous and current blocks are always selected"
-
-    def validate_own(self, model, field: str) -> None:
-        if self.window < 0:
-            raise ConfigError(f"must be >= 0 (0 = no sliding branch), got {self.window}", field=f"{field}.window")
+from attnzoo.mixers.configs import NSAConfig  # noqa: F401 (torch-free: config checks)
 
 
 @register_mixer("nsa", NSAConfig)

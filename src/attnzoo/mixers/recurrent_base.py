@@ -77,7 +77,6 @@ class RecurrentMixer(Mixer):
     """Subclasses call `build(...)` from __init__, implement `mix(q, k, v, x, state, mode)` through `recur`, and
     the forms of their recurrence: `step_op`, `recurrent_op`, `chunk_op`, `fla_op`."""
 
-    context_parallel = True  # state passing (mode "cp")
     kernel_family = "linear"
     linearize_target = True  # a fixed-size state that linearize can distil an attention layer into
 

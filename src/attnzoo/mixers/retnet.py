@@ -23,27 +23,7 @@ from attnzoo.config.registry import register_mixer
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
-
-
-@dataclass
-class RetNetConfig:
-    name: str = "retnet"
-    n_heads: Optional[int] = None  # null: model.n_heads (head h decays by 1 - 2^(-5-h))
-    head_dim: Optional[int] = None  # d_k (null: model head_dim)
-    v_head_dim: Optional[int] = None  # d_v (null: head_dim; the paper and fla's layer: 2 x head_dim)
-    chunk_size: int = 64
-    conv_size: int = 0  # short causal depthwise conv on q/k/v (fla's use_short_conv, off by default); 0 = off
-    conv_bias: bool = False
-    qkv_activation: str = "none"  # after the conv: silu (fla's, with its conv) | none
-    use_output_norm: bool = True  # per-head RMSNorm on the output (the paper's GroupNorm)
-    use_gate: bool = True  # swish output gate: norm(o) * silu(W_g x)
-    norm_eps: float = 1e-5  # fla's
-
-    def validate(self, model, field: str) -> None:
-        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
-        if self.chunk_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
-        validate_conv(self, field)
+from attnzoo.mixers.configs import RetNetConfig  # noqa: F401 (torch-free: config checks)
 
 
 def retention_log_decays(n_heads: int) -> list[float]:
@@ -55,7 +35,6 @@ def retention_log_decays(n_heads: int) -> list[float]:
 @register_mixer("retnet", RetNetConfig)
 class RetNet(GatedLinearMixer):
     hf_missing = "RetNet's retention has no transformers causal-LM counterpart (fla's layer is its reference)"
-    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head
 
     def __init__(self, cfg: RetNetConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)

@@ -47,10 +47,7 @@ from attnzoo.mixers.base import dtype_bytes, validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, RecurrentStateCache, state_dtype, upcast
 from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
                                                 generalized_delta_rule_step)
-
-LOG_DECAY_SCALE = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.): w in (e^{-0.6065}, 1)
-MIN_DECAY = math.exp(-LOG_DECAY_SCALE)  # 0.54524: the fastest per-token decay the parameterisation reaches
-
+from attnzoo.mixers.configs import LOG_DECAY_SCALE, MIN_DECAY, RWKV7Config  # noqa: F401 (torch-free: config checks)
 
 def decay_bias(decay_range, n_heads: int, dk: int) -> torch.Tensor:
     """w_0 (n_heads * dk,) such that each head's channels start (the decay LoRA is 0 at init) at per-token decays
@@ -59,57 +56,6 @@ def decay_bias(decay_range, n_heads: int, dk: int) -> torch.Tensor:
     low, high = decay_range
     rate = torch.logspace(math.log10(-math.log(high)), math.log10(-math.log(low)), dk, dtype=torch.float64)
     return torch.logit(rate / LOG_DECAY_SCALE).repeat(n_heads)
-
-
-@dataclass
-class RWKV7Config:
-    name: str = "rwkv7"
-    n_heads: Optional[int] = None  # null: model.n_heads
-    head_dim: Optional[int] = None  # d_k of r, k (null: model head_dim; fla's layer: 64)
-    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
-    # the LoRAs' ranks; null: fla's max(32, round(2.5 sqrt(d_model) d_k / 64 / 32) * 32) for w and a,
-    # max(32, round(5 sqrt(d_model) / 32) * 32) for the gate; with model.mup_base_width set, that width's d_model
-    # and d_k at every width (µP: a fixed rank, so a LoRA's role does not depend on the widths compared)
-    decay_low_rank_dim: Optional[int] = None
-    a_low_rank_dim: Optional[int] = None
-    gate_low_rank_dim: Optional[int] = None
-    # the chunkwise form holds (C, C, d_k) decays per chunk (one decay per key channel): short chunks
-    chunk_size: int = 16
-    # a short causal depthwise conv on the mixer input before the token shift (the Based recipe; experiment=mqar sets
-    # 4); 0 = off: RWKV-7's own token shift is its short conv
-    conv_size: int = 0
-    conv_bias: bool = False
-    norm_eps: float = 1e-5  # the per-head GroupNorm's eps is head_dim * norm_eps (fla's)
-    # null: the paper's decay init by layer (w_0 above); [low, high]: each head's d_k channels start at per-token
-    # decays from high (channel 0) down to low, forgetting rates -log w spaced geometrically (experiment=mqar sets
-    # [0.99, 0.9999]: the paper's spread forgets most pairs of a recall example within a few tokens at small widths)
-    decay_init_range: Optional[List[float]] = None
-
-    def ranks(self, model) -> tuple[int, int, int]:
-        """(decay, learning-rate, gate) LoRA ranks, fla's defaults where null."""
-        d, dk = model.d_model, self.head_dim or model.head_dim
-        base = getattr(model, "mup_base_width", None)
-        if base:  # the base width's defaults (its d_k: model.head_dim scales with d_model where it tiles it)
-            if self.head_dim is None and model.head_dim * model.n_heads == d:
-                dk = dk * base // d
-            d = base
-        fla = lambda c, f: max(32, int(round(c * d**0.5 * f / 32) * 32))  # noqa: E731
-        return (self.decay_low_rank_dim or fla(2.5, dk / 64), self.a_low_rank_dim or fla(2.5, dk / 64),
-                self.gate_low_rank_dim or fla(5.0, 1.0))
-
-    def validate(self, model, field: str) -> None:
-        for key in ("chunk_size", "decay_low_rank_dim", "a_low_rank_dim", "gate_low_rank_dim"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"must be >= 1{'' if key == 'chunk_size' else ' or null'}, got {value}",
-                                  field=f"{field}.{key}")
-        if self.norm_eps <= 0:
-            raise ConfigError(f"must be > 0, got {self.norm_eps}", field=f"{field}.norm_eps")
-        span = self.decay_init_range
-        if span is not None and not (len(span) == 2 and MIN_DECAY < span[0] <= span[1] < 1):
-            raise ConfigError(f"must be null or [low, high] per-token decays with {MIN_DECAY:.5f} < low <= high < 1, "
-                              f"got {list(span)}", field=f"{field}.decay_init_range")
-        validate_conv(self, field)
 
 
 class TokenShift(nn.Module):
@@ -167,7 +113,6 @@ class RWKV7(RecurrentMixer):
     # (RecurrentMixer.recur, ops/dispatch.py); the torch forms everywhere else. The token shift, LoRAs and readout
     # stay torch (fla's fused addcmul / output-correction kernels are not wired)
     kernel_family = "linear"
-    fla_kernel = "chunk_dplr_delta_rule"
     # r, k, v come from six differently token-shifted inputs, with decay and learning-rate LoRAs: no attention layer's
     # q/k/v/o to seed them
     linearize_target = False

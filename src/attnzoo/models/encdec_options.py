@@ -65,7 +65,7 @@ class EncDecOptions:
 
 def attention_kinds() -> list[str]:
     """The kinds of encoder self-attention and cross-attention: registered mixers whose class is `bidirectional`."""
-    return [n for n in MIXERS.names() if MIXERS.get(n).cls.bidirectional]
+    return [n for n in MIXERS.names() if MIXERS.get(n).fact("bidirectional")]
 
 
 def split_config(node: Any, vocab_size: Optional[int] = None) -> tuple[ModelConfig, EncDecOptions]:
@@ -94,3 +94,10 @@ def split_config(node: Any, vocab_size: Optional[int] = None) -> tuple[ModelConf
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size: not set; pass vocab_size= or set model.vocab_size")
     return cfg, opts
+
+
+def check_decoder_causal(mixer_cfg: Any, field: str = "model.mixer.causal") -> None:
+    """The encoder-decoder's decoder self-attention is causal (model.mixer.causal=true)."""
+    causal = mixer_cfg.get("causal", True) if isinstance(mixer_cfg, dict) else getattr(mixer_cfg, "causal", True)
+    if not causal:
+        raise ConfigError("the decoder's self-attention must be causal; allowed: true", field=field)

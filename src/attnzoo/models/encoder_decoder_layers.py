@@ -22,7 +22,7 @@ from attnzoo.layers.position import AbsolutePosition, sinusoidal_table
 from attnzoo.mixers.attention import Attention
 from attnzoo.mixers.base import dtype_bytes
 from attnzoo.models.decoder import residual
-from attnzoo.models.encdec_options import EncDecOptions, attention_kinds, split_config  # noqa: F401 (re-exported)
+from attnzoo.models.encdec_options import EncDecOptions, attention_kinds, check_decoder_causal, split_config  # noqa: F401
 from attnzoo.ops.attention import attention_reference
 
 
@@ -147,8 +147,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer_cfg: Any, opts: EncDecOptions, layer_idx: int):
         super().__init__()
-        if not getattr(mixer_cfg, "causal", True):
-            raise ConfigError("the decoder's self-attention must be causal; allowed: true", field="model.mixer.causal")
+        check_decoder_causal(mixer_cfg)
         self.self_attn = MIXERS.get(mixer_cfg.name).cls(mixer_cfg, cfg, layer_idx)
         self.cross = CrossAttention(cfg, opts)
         self.ffn = build_ffn(cfg.ffn, cfg, layer_idx)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
-
 from attnzoo.config.errors import ConfigError
 
 
@@ -30,6 +28,8 @@ def count_params(model_cfg: dict, vocab_size: int, count: str = "non_embedding")
     """Parameters of the model its family builds from model_cfg (decoder LM, encoder-decoder, encoder), on
     the meta device: no memory, no init cost."""
     from attnzoo.training.families import embedding_params, family_of
+
+    import torch
 
     build = family_of(model_cfg).build_model
     try:
@@ -98,18 +98,28 @@ def _merged(base: dict, over: dict) -> dict:
     return out
 
 
+def check_budget(budget: Any) -> None:
+    """The `model_budget` section's shape (torch-free: the config checks call it before any work); null: none."""
+    if budget is None:
+        return
+    if not isinstance(budget, dict):
+        raise ConfigError("expected {params: N} or {match: {model keys}}, count: non_embedding|total, tol: 0.02",
+                          field="model_budget")
+    if ("params" in budget) == ("match" in budget):
+        raise ConfigError("expected {params: N} or {match: {model keys}} (one of them), count: non_embedding|total, "
+                          "tol: 0.02", field="model_budget")
+    if "match" in budget and (not isinstance(budget["match"], dict) or not budget["match"]):
+        raise ConfigError(f"got {budget['match']!r}; allowed: model keys of the reference, e.g. {{pattern: [gqa]}}",
+                          field="model_budget.match")
+
+
 def budget_target(model_cfg: dict, vocab_size: int, budget: dict) -> int:
     """The parameter target: `params: N`, or `match: {model keys}` = as many parameters as this model would
     have with those keys replaced, at its other sizes (e.g. match: {pattern: [gqa]} holds every variant of a
     sweep at the gqa baseline's count, at the full size and in its debug=smoke form alike)."""
-    if ("params" in budget) == ("match" in budget):
-        raise ConfigError("expected {params: N} or {match: {model keys}} (one of them), count: non_embedding|total, "
-                          "tol: 0.02", field="model_budget")
+    check_budget(budget)
     if "params" in budget:
         return int(budget["params"])
-    if not isinstance(budget["match"], dict) or not budget["match"]:
-        raise ConfigError(f"got {budget['match']!r}; allowed: model keys of the reference, e.g. {{pattern: [gqa]}}",
-                          field="model_budget.match")
     return count_params(_merged(model_cfg, budget["match"]), vocab_size, budget.get("count", "non_embedding"))
 
 
@@ -119,9 +129,7 @@ def apply_budget(container: dict, vocab_size: int) -> dict:
     budget: Any = container.get("model_budget")
     if not budget:
         return {}
-    if not isinstance(budget, dict):
-        raise ConfigError("expected {params: N} or {match: {model keys}}, count: non_embedding|total, tol: 0.02",
-                          field="model_budget")
+    check_budget(budget)
     target = budget_target(container["model"], vocab_size, budget)
     model, info = match_budget(container["model"], vocab_size, target, budget.get("count", "non_embedding"),
                                float(budget.get("tol", 0.02)))

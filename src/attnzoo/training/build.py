@@ -15,6 +15,7 @@ from attnzoo.models.flops import train_flops_per_token
 from attnzoo.training.budget import apply_budget
 # the kernel checks live with the config checks (no Lightning there: the CLI refuses before its import)
 from attnzoo.training.config_checks import check_kernels_present, fla_kernels_of, run_device_type  # noqa: F401
+from attnzoo.distributed.checkpoint_files import checkpoint_file
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 from attnzoo.training.launch import requested_devices
@@ -23,14 +24,9 @@ from attnzoo.training.launch import requested_devices
 def resolve_ckpt(ckpt_path: str | None, out: Path) -> tuple[str | None, dict | None]:
     """`last` -> <out>/checkpoints/last.ckpt; check the file is a complete, loadable checkpoint.
     Returns (path, checkpoint) — the checkpoint memory-mapped — or (None, None)."""
-    if ckpt_path is None:
+    p = checkpoint_file(ckpt_path, out)
+    if p is None:
         return None, None
-    if ckpt_path == "last":
-        p = out / "checkpoints" / "last.ckpt"
-        if not p.exists():
-            raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's directory, or a .ckpt path", field="ckpt_path")
-    else:
-        p = Path(ckpt_path).expanduser()
     return str(p), check_checkpoint(p, weights=False)
 
 

@@ -17,6 +17,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import follow_umask
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file
 from attnzoo.distributed.fsdp import META, is_sharded_checkpoint, load_sharded, verify_sharded
 from attnzoo.training.config_checks import MIN_FREE_BYTES
 
@@ -114,15 +115,7 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path", weights: bool =
         if "global_step" not in state:
             raise ConfigError(f"{path} is not a training checkpoint (missing global_step)", field=field)
         return state
-    if p.is_dir():
-        what = "a sharded checkpoint whose save did not finish (no .metadata / meta.pt)" if (p / META).exists() or \
-            any(p.glob("*.distcp")) else "a directory"
-        raise ConfigError(f"{path} is {what}; allowed: a .ckpt file, a complete sharded checkpoint folder, or `last` "
-                          f"with hydra.run.dir=<run dir>", field=field)
-    if not p.is_file():
-        raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
-    if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
-        raise ConfigError(f"{path} is corrupt or truncated (not a complete torch zip archive)", field=field)
+    check_checkpoint_file(path, field)  # a folder, a missing file, a truncated zip: the same line as the CLI's preflight
     try:
         state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from attnzoo.config.schema import (InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
+from attnzoo.config.schema import (IMPLS, InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
                      resolve_model, tagged)
 from attnzoo.data import DATAMODULES
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file, checkpoint_file
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
+from attnzoo.training.budget import check_budget
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
 
@@ -143,17 +146,17 @@ def _check_seq_len(model: ModelConfig, data: Any) -> None:
     """Each layer's mixer class refuses a training length it cannot take (`Mixer.check_seq_len`: e.g. the
     block-sparse mixers' whole blocks, a sliding window's sinks fewer than the sequence)."""
     for i, mixer in enumerate(layer_mixer_configs(model) if family_of(model).decoder_only else []):
-        MIXERS.get(mixer.name).cls.check_seq_len(mixer, data.seq_len, f"model.layers[{i}].mixer")
+        MIXERS.get(mixer.name).fact("check_seq_len")(mixer, data.seq_len, f"model.layers[{i}].mixer")
 
 
 def _check_inference(inf: InferenceConfig, model: ModelConfig, data: Any) -> None:
     """The KV-cache format: a known dtype, G >= 1, R >= 0, int4 only with an even head_dim (where some layer
     is quantized: its mixer class is `kv_quantizable`), decoder LMs only, and one that changes something at
     data.seq_len."""
-    from attnzoo.mixers.kv_quant import KVFormat, coverage
+    from attnzoo.mixers.kv_format import KVFormat, coverage
 
     decoder = family_of(model).decoder_only
-    quantized = decoder and any(MIXERS.get(mc.name).cls.kv_quantizable for mc in layer_mixer_configs(model))
+    quantized = decoder and any(MIXERS.get(mc.name).fact("kv_quantizable") for mc in layer_mixer_configs(model))
     KVFormat.of(inf).check(head_dims=[model.head_dim] if quantized else [])
     if inf.kv_cache_dtype != "fp32" and not decoder:
         raise ConfigError(f"KV-cache formats are for decoder LMs; allowed with model={model.name}: fp32",
@@ -165,7 +168,7 @@ def _check_inference(inf: InferenceConfig, model: ModelConfig, data: Any) -> Non
 def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> None:
     """trainer.context_parallel: DDP, a decoder LM whose every layer has a sharded path, no attention dropout,
     and a sequence length that splits into the layout's equal segments, each longer than any conv tail."""
-    from attnzoo.distributed.context_parallel import LAYOUTS, check_layout, resolve_layout
+    from attnzoo.distributed.cp_layout import LAYOUTS, check_layout, resolve_layout
 
     cp = t.context_parallel
     check(isinstance(cp, int) and cp >= 1, "trainer.context_parallel", f"got {cp!r}; allowed: an integer >= 1")
@@ -184,9 +187,9 @@ def _check_context_parallel(t: TrainerConfig, model: ModelConfig, data: Any) -> 
     check(fam.name == "decoder", "trainer.context_parallel",
           f"is for decoder LMs; allowed with model={model.name} ({fam.name} family): 1")
     mixers = layer_mixer_configs(model)
-    able = sorted(n for n in MIXERS.names() if MIXERS.get(n).cls.context_parallel)
+    able = sorted(n for n in MIXERS.names() if MIXERS.get(n).fact("context_parallel"))
     for i, mc in enumerate(mixers):
-        check(MIXERS.get(mc.name).cls.context_parallel, "trainer.context_parallel",
+        check(MIXERS.get(mc.name).fact("context_parallel"), "trainer.context_parallel",
               f"layer {i} is {mc.name}, which has no sharded form; allowed mixers: {', '.join(able)} (or 1)")
     check(model.dropout == 0, "model.dropout",
           f"{model.dropout} with trainer.context_parallel={cp}: ring attention has no attention-probability "
@@ -315,6 +318,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_sections(model, family)
     if family.check_with_data is not None:  # e.g. an image encoder's patches against the data's image size
         family.check_with_data(model, data)
+    check_budget(container.get("model_budget"))
     check_choice(run.optim.name, "optim.name", ("adamw",))
     check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
     check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",
@@ -374,7 +378,7 @@ def fla_kernels_of(model_cfg) -> tuple:
         names = {getattr(c, "name", None) for c in layer_mixer_configs(model_cfg)}
     except (AttributeError, TypeError):  # a family without decoder layers (vision, encoder-decoder presets)
         return ()
-    return tuple(MIXERS.get(n).cls.fla_kernel for n in sorted(n for n in names if n in MIXERS.names()))
+    return tuple(MIXERS.get(n).fact("fla_kernel") for n in sorted(n for n in names if n in MIXERS.names()))
 
 
 def check_kernels_present(parts: dict) -> None:
@@ -382,10 +386,13 @@ def check_kernels_present(parts: dict) -> None:
     kernel fla refuses on this device: ops/dispatch.py fla_gates), and an explicit fla with packed documents or
     context parallelism (those calls run the torch chunk form: fla's kernels are not given the document resets or
     the shards' states): one line, before any work."""
-    from attnzoo.ops.dispatch import check_request, run_compute_dtype
-
     model_cfg, run, data = parts["model"], parts["run"], parts["data"]
     impl = getattr(model_cfg, "impl", "auto")
+    check_choice(impl, "model.impl", IMPLS)
+    if impl not in ("fla", "flex"):  # auto / torch: nothing to refuse here (nor torch to import: issue 45)
+        return
+    from attnzoo.ops.dispatch import check_request, run_compute_dtype
+
     check_request(impl, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0],
                   fla_kernels_of(model_cfg))
     if impl != "fla":
@@ -410,6 +417,10 @@ def preflight(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "model.init_from") or OmegaConf.select(cfg, "linearize") is not None:
         return
     parts = validate(cfg)
+    run = parts["run"]
+    ckpt = checkpoint_file(run.ckpt_path, Path(run.paths.output_dir))  # the file itself; its contents: train()
+    if ckpt is not None:
+        check_checkpoint_file(ckpt)
     check_devices_present(parts["run"].trainer)
     check_launchable(parts["run"].trainer)
     check_kernels_present(parts)

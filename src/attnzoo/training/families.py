@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import DATAMODULES
+from attnzoo.models.encdec_options import check_decoder_causal
 from attnzoo.models.encdec_options import split_config as split_encdec_config
 from attnzoo.models.vision.options import image_tokens
 from attnzoo.models.vision.options import split_config as split_vision_config
@@ -85,6 +86,11 @@ def check_data(model_cfg: Any, data_cfg: Any) -> None:
 
 def _check_encdec_options(model_node: dict) -> None:
     split_encdec_config(model_node, vocab_size=model_node.get("vocab_size") or 2)  # the vocabulary is not known yet
+
+
+def _check_encdec(model_node: dict) -> None:
+    _check_encdec_options(model_node)
+    check_decoder_causal(model_node.get("mixer") or {})
 
 
 def embedding_params(model: nn.Module) -> int:
@@ -161,7 +167,7 @@ register_family(Family(
 register_family(Family(
     name="encdec", model_names=("encdec",), build_model=_encdec_model, build_lit=_encdec_lit,
     accepts=lambda d: d.name in SEQ2SEQ_DATA, data_help=", ".join(SEQ2SEQ_DATA),
-    metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"], check_model=_check_encdec_options,
+    metrics=lambda d: ["val/loss", "val/ppl", "val/acc", "val/token_acc"], check_model=_check_encdec,
 ))
 register_family(Family(
     name="encoder", model_names=("encoder",), build_model=_encoder_model, build_lit=_encoder_lit,

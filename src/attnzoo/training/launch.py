@@ -64,10 +64,12 @@ def global_rank() -> int:
 
 
 def on_gpus(trainer_cfg) -> bool:
-    import torch
-
     acc = str(trainer_cfg.accelerator)
-    return acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
+    if acc != "auto":
+        return acc in ("gpu", "cuda")
+    import torch  # only auto asks the machine
+
+    return torch.cuda.is_available()
 
 
 def requested_devices(trainer_cfg) -> int:

@@ -1,0 +1,50 @@
+"""What a checkpoint path must be before anything reads it, torch-free (the CLI refuses a missing, truncated or
+half-written checkpoint before it imports torch: issue 45): `last` resolved to the run's own, a `.ckpt` file that is a
+complete zip archive (torch's format), or a complete torch.distributed.checkpoint folder (trainer=fsdp). Loading
+it (training/checkpoint_io.check_checkpoint) checks the rest: its pickles, its keys, every shard.
+"""
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+from attnzoo.config.errors import ConfigError
+
+META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by the coordinator
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A complete torch.distributed.checkpoint folder as FSDPStrategy writes it (a link to one included)."""
+    p = Path(path)
+    return p.is_dir() and (p / META).is_file() and (p / DCP_METADATA).is_file()
+
+
+def checkpoint_file(ckpt_path: Optional[str], out: Path) -> Optional[Path]:
+    """`ckpt_path` as a path: `last` -> <out>/checkpoints/last.ckpt (which must exist); None: no checkpoint."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        p = Path(out).expanduser() / "checkpoints" / "last.ckpt"
+        if not p.exists():
+            raise ConfigError(f"no checkpoint at {p}; allowed: `last` with hydra.run.dir set to the earlier run's "
+                              "directory, or a .ckpt path", field="ckpt_path")
+        return p
+    return Path(ckpt_path).expanduser()
+
+
+def check_checkpoint_file(path: str | Path, field: str = "ckpt_path") -> None:
+    """One line naming `field` unless `path` is a complete sharded folder or a non-empty zip archive."""
+    p = Path(path)
+    if is_sharded_checkpoint(p):
+        return
+    if p.is_dir():
+        what = "a sharded checkpoint whose save did not finish (no .metadata / meta.pt)" if (p / META).exists() or \
+            any(p.glob("*.distcp")) else "a directory"
+        raise ConfigError(f"{path} is {what}; allowed: a .ckpt file, a complete sharded checkpoint folder, or `last` "
+                          f"with hydra.run.dir=<run dir>", field=field)
+    if not p.is_file():
+        raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
+    if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
+        raise ConfigError(f"{path} is corrupt or truncated (not a complete torch zip archive)", field=field)

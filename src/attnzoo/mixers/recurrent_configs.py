@@ -1,0 +1,280 @@
+"""The recurrent mixers' config dataclasses (linear attention, DeltaNet, Gated DeltaNet, GLA, HGRN2, Mamba-2, RetNet,
+RWKV-7), torch-free: declared with the others in mixers/configs.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.mixers.spec import MixerSpec, validate_conv
+
+
+# ----------------------------------------------------------------------------- deltanet
+
+@dataclass
+class DeltaNetConfig(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_delta_rule"
+    name: str = "deltanet"
+    n_heads: Optional[int] = None  # q/k heads (null: model.n_heads)
+    n_v_heads: Optional[int] = None  # value heads = states, a multiple of n_heads (null: n_heads)
+    head_dim: Optional[int] = None  # d_k (null: model head_dim)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
+    chunk_size: int = 64  # chunkwise form's chunk length (any T works)
+    conv_size: int = 4  # short causal depthwise conv on q/k/v; 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "silu"  # after the conv: silu | none
+    allow_neg_eigval: bool = False  # beta in (0, 2) (Grazzi et al. 2024, negative eigenvalues)
+    use_output_norm: bool = True  # per-head RMSNorm on the output
+    use_gate: bool = False  # output gate: norm(o) * silu(W_g x)
+    norm_eps: float = 1e-6
+
+    def sizes(self, model) -> tuple[int, int, int, int]:
+        h = self.n_heads or model.n_heads
+        hv = self.n_v_heads or h
+        dk = self.head_dim or model.head_dim
+        return h, hv, dk, self.v_head_dim or dk
+
+    def validate(self, model, field: str) -> None:
+        h, hv, dk, dv = self.sizes(model)
+        if hv % h != 0:
+            raise ConfigError(f"n_v_heads={hv} is not a multiple of n_heads={h}", field=f"{field}.n_v_heads")
+        if self.chunk_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
+        validate_conv(self, field)
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+
+
+@dataclass
+class GatedDeltaNetConfig(DeltaNetConfig):
+    fla_kernel = "chunk_gated_delta_rule"
+    name: str = "gated_deltanet"
+    use_gate: bool = True  # Gated DeltaNet: gated RMSNorm on the output (as Qwen3-Next)
+    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range) (Mamba-2)
+    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
+
+
+
+# ----------------------------------------------------------------------------- gla
+
+@dataclass
+class GLAConfig(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_gla"  # a log-decay per key channel; RetNet / Mamba2 (one per head) take chunk_simple_gla
+    name: str = "gla"
+    n_heads: Optional[int] = None  # null: model.n_heads
+    head_dim: Optional[int] = None  # d_k (null: model head_dim; fla's layer: expand_k 0.5, i.e. half of it)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
+    gate_low_rank_dim: int = 16  # the forget gate's low-rank projection d_model -> r -> H d_k
+    gate_logit_normalizer: float = 16.0  # log alpha = logsigmoid(.) / this: alpha = sigmoid(.)^(1/16)
+    # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks
+    chunk_size: int = 16
+    conv_size: int = 0  # short causal depthwise conv on q/k/v (fla's use_short_conv, off by default); 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "none"  # after the conv: silu (fla's, with its conv) | none
+    use_output_norm: bool = True  # per-head RMSNorm on the output
+    use_gate: bool = True  # output gate: norm(o) * silu(W_g x)
+    norm_eps: float = 1e-5  # fla's
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+        for key in ("chunk_size", "gate_low_rank_dim"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
+        if self.gate_logit_normalizer <= 0:
+            raise ConfigError(f"must be > 0, got {self.gate_logit_normalizer}", field=f"{field}.gate_logit_normalizer")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- hgrn2
+
+@dataclass
+class HGRN2Config(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_gla"  # GLA's kernel: the forget gate is a log-decay per key channel
+    name: str = "hgrn2"
+    n_heads: Optional[int] = None  # null: model.n_heads
+    head_dim: Optional[int] = None  # d_k: forget-gate channels per head (fla's expand_ratio; null: model head_dim)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim; fla's layer: d_model / n_heads)
+    lower_bound: float = 0.0  # f = lb + (1 - lb) sigmoid(.), in [0, 1); 0 = off (fla's first layer)
+    # the chunkwise form holds a (C, C, d_k) decay per chunk (one decay per key channel): short chunks
+    chunk_size: int = 16
+    conv_size: int = 0  # short causal depthwise conv on q/f/i (fla's use_short_conv, off by default); 0 = off
+    conv_bias: bool = False
+    use_output_norm: bool = True  # one RMSNorm over all heads' outputs (fla's g_norm)
+    norm_eps: float = 1e-5  # fla's
+
+    def validate(self, model, field: str) -> None:
+        if self.chunk_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
+        if not 0.0 <= self.lower_bound < 1.0:
+            raise ConfigError(f"must be in [0, 1), got {self.lower_bound}", field=f"{field}.lower_bound")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- linear_attention
+
+FEATURE_MAPS = ("identity", "elu", "relu", "taylor2")
+
+
+@dataclass
+class LinearAttentionConfig(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_simple_gla"  # with no gate
+    name: str = "linear_attention"
+    n_heads: Optional[int] = None  # null: model.n_heads
+    feature_dim: Optional[int] = None  # q/k projection size per head before phi (null: model head_dim)
+    head_dim: Optional[int] = None  # value size per head (null: model head_dim)
+    feature_map: str = "elu"  # identity | elu | relu | taylor2
+    normalize: bool = True  # divide by phi(q) . sum phi(k) (Katharopoulos); needs a positive map
+    norm_eps: float = 1e-6  # for the normaliser and the output RMSNorm
+    scale: Optional[float] = None  # on q; null: feature_dim^-1/2 (1 for taylor2, whose map is scaled)
+    chunk_size: int = 64
+    conv_size: int = 0  # short causal depthwise conv on q/k/v (Based uses one); 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "none"  # after the conv: silu | none
+    use_output_norm: bool = False
+    use_gate: bool = False
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.feature_map, f"{field}.feature_map", FEATURE_MAPS)
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+        if self.chunk_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- mamba2
+
+@dataclass
+class Mamba2Config(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head (dt A)
+    name: str = "mamba2"
+    expand: int = 2  # inner width d_inner = expand * d_model (x and the gate z)
+    head_dim: Optional[int] = None  # P, channels per head (null: model head_dim); n_heads = d_inner / P
+    d_state: int = 64  # N: each head's state is N x P; B and C are N wide per group
+    n_groups: int = 1  # B and C groups, each shared by n_heads / n_groups heads
+    chunk_size: int = 64  # chunkwise form's chunk length (one decay per head: a (C, C) decay matrix per chunk)
+    conv_size: int = 4  # causal depthwise conv on [C | B | x] before the SiLU; 0 = off
+    conv_bias: bool = True
+    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range)
+    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
+    dt_init_floor: float = 1e-4  # the sampled dt floored here before the inverse softplus
+    norm_eps: float = 1e-5  # the gated RMSNorm's (mamba_ssm's)
+
+    def sizes(self, model) -> tuple[int, int, int]:
+        """(n_heads, head_dim P, d_state N)."""
+        p = self.head_dim or model.head_dim
+        return self.expand * model.d_model // p, p, self.d_state
+
+    def validate(self, model, field: str) -> None:
+        for key in ("expand", "d_state", "n_groups", "chunk_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
+        p = self.head_dim or model.head_dim
+        inner = self.expand * model.d_model
+        if p < 1 or inner % p:
+            raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
+        if (inner // p) % self.n_groups:
+            raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
+        for key in ("A_init_range", "dt_init_range"):
+            lo, hi = getattr(self, key)
+            if not 0 < lo <= hi:
+                raise ConfigError(f"must be [low, high] with 0 < low <= high, got {[lo, hi]}", field=f"{field}.{key}")
+        if self.dt_init_floor < 0:
+            raise ConfigError(f"must be >= 0, got {self.dt_init_floor}", field=f"{field}.dt_init_floor")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- retnet
+
+@dataclass
+class RetNetConfig(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_simple_gla(g)"  # one log-decay per head
+    name: str = "retnet"
+    n_heads: Optional[int] = None  # null: model.n_heads (head h decays by 1 - 2^(-5-h))
+    head_dim: Optional[int] = None  # d_k (null: model head_dim)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim; the paper and fla's layer: 2 x head_dim)
+    chunk_size: int = 64
+    conv_size: int = 0  # short causal depthwise conv on q/k/v (fla's use_short_conv, off by default); 0 = off
+    conv_bias: bool = False
+    qkv_activation: str = "none"  # after the conv: silu (fla's, with its conv) | none
+    use_output_norm: bool = True  # per-head RMSNorm on the output (the paper's GroupNorm)
+    use_gate: bool = True  # swish output gate: norm(o) * silu(W_g x)
+    norm_eps: float = 1e-5  # fla's
+
+    def validate(self, model, field: str) -> None:
+        check_choice(self.qkv_activation, f"{field}.qkv_activation", ("silu", "none"))
+        if self.chunk_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.chunk_size}", field=f"{field}.chunk_size")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- rwkv7
+
+LOG_DECAY_SCALE = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.): w in (e^{-0.6065}, 1)
+
+
+MIN_DECAY = math.exp(-LOG_DECAY_SCALE)  # 0.54524: the fastest per-token decay the parameterisation reaches
+
+
+@dataclass
+class RWKV7Config(MixerSpec):
+    context_parallel = True  # state passing (RecurrentMixer, mode "cp")
+    fla_kernel = "chunk_dplr_delta_rule"
+    name: str = "rwkv7"
+    n_heads: Optional[int] = None  # null: model.n_heads
+    head_dim: Optional[int] = None  # d_k of r, k (null: model head_dim; fla's layer: 64)
+    v_head_dim: Optional[int] = None  # d_v (null: head_dim)
+    # the LoRAs' ranks; null: fla's max(32, round(2.5 sqrt(d_model) d_k / 64 / 32) * 32) for w and a,
+    # max(32, round(5 sqrt(d_model) / 32) * 32) for the gate; with model.mup_base_width set, that width's d_model
+    # and d_k at every width (µP: a fixed rank, so a LoRA's role does not depend on the widths compared)
+    decay_low_rank_dim: Optional[int] = None
+    a_low_rank_dim: Optional[int] = None
+    gate_low_rank_dim: Optional[int] = None
+    # the chunkwise form holds (C, C, d_k) decays per chunk (one decay per key channel): short chunks
+    chunk_size: int = 16
+    # a short causal depthwise conv on the mixer input before the token shift (the Based recipe; experiment=mqar sets
+    # 4); 0 = off: RWKV-7's own token shift is its short conv
+    conv_size: int = 0
+    conv_bias: bool = False
+    norm_eps: float = 1e-5  # the per-head GroupNorm's eps is head_dim * norm_eps (fla's)
+    # null: the paper's decay init by layer (w_0 above); [low, high]: each head's d_k channels start at per-token
+    # decays from high (channel 0) down to low, forgetting rates -log w spaced geometrically (experiment=mqar sets
+    # [0.99, 0.9999]: the paper's spread forgets most pairs of a recall example within a few tokens at small widths)
+    decay_init_range: Optional[List[float]] = None
+
+    def ranks(self, model) -> tuple[int, int, int]:
+        """(decay, learning-rate, gate) LoRA ranks, fla's defaults where null."""
+        d, dk = model.d_model, self.head_dim or model.head_dim
+        base = getattr(model, "mup_base_width", None)
+        if base:  # the base width's defaults (its d_k: model.head_dim scales with d_model where it tiles it)
+            if self.head_dim is None and model.head_dim * model.n_heads == d:
+                dk = dk * base // d
+            d = base
+        fla = lambda c, f: max(32, int(round(c * d**0.5 * f / 32) * 32))  # noqa: E731
+        return (self.decay_low_rank_dim or fla(2.5, dk / 64), self.a_low_rank_dim or fla(2.5, dk / 64),
+                self.gate_low_rank_dim or fla(5.0, 1.0))
+
+    def validate(self, model, field: str) -> None:
+        for key in ("chunk_size", "decay_low_rank_dim", "a_low_rank_dim", "gate_low_rank_dim"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"must be >= 1{'' if key == 'chunk_size' else ' or null'}, got {value}",
+                                  field=f"{field}.{key}")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"must be > 0, got {self.norm_eps}", field=f"{field}.norm_eps")
+        span = self.decay_init_range
+        if span is not None and not (len(span) == 2 and MIN_DECAY < span[0] <= span[1] < 1):
+            raise ConfigError(f"must be null or [low, high] per-token decays with {MIN_DECAY:.5f} < low <= high < 1, "
+                              f"got {list(span)}", field=f"{field}.decay_init_range")
+        validate_conv(self, field)
