@@ -11,13 +11,11 @@ The answer positions are the last n of y.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 
-from attnzoo.config.errors import check
 from attnzoo.data import register_data
-from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, sample_distinct
+from attnzoo.data.synthetic import SyntheticDataModule, sample_distinct
 from attnzoo.data.configs import CopyingConfig, SelectiveCopyingConfig  # noqa: F401 (torch-free: config checks)
 
 BLANK, SEP, FIRST_DATA = 0, 1, 2

@@ -8,14 +8,13 @@ image. Pixels 0..16 are scaled to [0, 1]; batches are (image (B, 1, 8, 8), label
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from attnzoo.config.errors import ConfigError, check
+from attnzoo.config.errors import ConfigError
 from attnzoo.data import register_data
 from attnzoo.data.shapes import ImageDataModule
 from attnzoo.data.synthetic import example_hashes

@@ -9,13 +9,11 @@ Token 0 is the trigger (it appears nowhere else); the other tokens come from [1,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 
-from attnzoo.config.errors import check
 from attnzoo.data import register_data
-from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule
+from attnzoo.data.synthetic import SyntheticDataModule
 from attnzoo.data.configs import InductionConfig  # noqa: F401 (torch-free: config checks)
 
 TRIGGER = 0

@@ -12,14 +12,11 @@ must emit v_i at the query position of k_i; only those N positions count in the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
-from attnzoo.config.errors import check
 from attnzoo.data import register_data
-from attnzoo.data.synthetic import SyntheticConfig, SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
+from attnzoo.data.synthetic import SyntheticDataModule, log, sample_distinct, sample_weighted_distinct
 from attnzoo.data.configs import MQARConfig, NoisyARConfig, effective_pairs, noise_tokens  # noqa: F401 (torch-free: config checks)
 
 

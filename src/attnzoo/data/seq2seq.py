@@ -17,7 +17,6 @@ Examples are drawn from `data.seed` (or the run's seed) with the validation spli
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import lightning as L
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from attnzoo.config.errors import check
 from attnzoo.data import register_data
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.synthetic import make_splits

@@ -24,7 +24,6 @@ no validation scene was seen in training, under any question.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import lightning as L
@@ -32,7 +31,6 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from attnzoo.config.errors import check, check_choice
 from attnzoo.data import register_data
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.synthetic import make_splits

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import warnings
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Optional
 
 import lightning as L
 import numpy as np
@@ -29,9 +29,7 @@ from filelock import FileLock
 
 from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
-from attnzoo.data.prepare import PrepareOptions, checked_options, prepare, resolve_source
-from attnzoo.data.prepare import read_manifest as read_prepared_manifest
-from attnzoo.data.prepare_tokens import tokenizer_source
+from attnzoo.data.prepare import prepare
 from attnzoo.data.tokenizer import FileTokenizer
 from attnzoo.data.sampling import end_with_the_rank
 from attnzoo.data.configs import PREPARE, ShardsDataConfig, _relabel, prepare_options, read_manifest  # noqa: F401 (torch-free: config checks)

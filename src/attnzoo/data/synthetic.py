@@ -12,7 +12,6 @@ large ones almost never collide).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import lightning as L
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from attnzoo.config.errors import ConfigError, check
+from attnzoo.config.errors import ConfigError
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.configs import SyntheticConfig  # noqa: F401 (torch-free: config checks)
 

@@ -1,14 +1,13 @@
 """`data=text`: language modelling on the embedded corpus (or a user file/folder)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Optional
 
 import lightning as L
 import torch
 from torch.utils.data import Dataset
 
-from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.config.errors import ConfigError, check
 from attnzoo.data import register_data
 from attnzoo.data.corpus import cap_notice, load_corpus, load_documents, text_sha
 from attnzoo.data.sampling import ResumableDataMixin

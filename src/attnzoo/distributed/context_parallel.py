@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.config.registry import MIXERS
 from attnzoo.distributed.context_parallel_ring import MaskSpec, _RingAttention
 from attnzoo.distributed.cp_layout import LAYOUTS, Layout, check_layout, resolve_layout  # noqa: F401 (torch-free)
 

@@ -5,14 +5,12 @@ An FFN that adds a loss term (MoE) exposes it as `self.aux_loss` after each forw
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import register_ffn
 from attnzoo.layers.ffn_configs import MLPConfig, SwiGLUConfig, NoFFNConfig  # noqa: F401 (torch-free: config checks)
 

@@ -19,7 +19,6 @@ token and masks by the routing weights: slow and obviously correct, on the same 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.layers import aux_loss as hooks
-from attnzoo.config.errors import check, check_choice
 from attnzoo.layers.ffn import MLP, MLPConfig, SwiGLU, SwiGLUConfig, hidden_size
 from attnzoo.config.registry import register_ffn
 from attnzoo.ops.dispatch import autocast_off, constant_result

@@ -17,14 +17,12 @@ The caches (`KVCache`, `SlidingWindowCache`) are in attention_cache.py, importab
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.ops.attention import alibi_bias, alibi_slopes, attention_mask, attention_reference, attention_sdpa
 from attnzoo.layers.norm import RMSNorm
 from attnzoo.distributed import context_parallel as parallel

@@ -15,13 +15,11 @@ Not a mixer itself (no registration).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from attnzoo.config.errors import ConfigError
-from attnzoo.mixers.attention import Attention, AttentionConfig
+from attnzoo.mixers.attention import Attention
 from attnzoo.mixers.attention_cache import KVCache, StaticKVCache
 from attnzoo.mixers.base import Mixer
 from attnzoo.ops.sparse_attention import block_means

@@ -10,9 +10,8 @@ the registry imports it before listing the names, and asks its class for the fac
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, List, Optional
+from typing import Optional
 
 from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import MIXERS
@@ -224,20 +223,14 @@ class MLAConfig(MixerSpec):
 
 
 # ----------------------------------------------------------------------------- where each class lives
-for _name in ("mha", "gqa", "mqa"):
-    MIXERS.declare(_name, AttentionConfig, "attnzoo.mixers.attention")
-MIXERS.declare("sliding_window", SlidingWindowConfig, "attnzoo.mixers.attention")
-MIXERS.declare("moba", MoBAConfig, "attnzoo.mixers.moba")
-MIXERS.declare("nsa", NSAConfig, "attnzoo.mixers.nsa")
-MIXERS.declare("mla", MLAConfig, "attnzoo.mixers.mla")
-MIXERS.declare("deltanet", DeltaNetConfig, "attnzoo.mixers.deltanet")
-MIXERS.declare("gated_deltanet", GatedDeltaNetConfig, "attnzoo.mixers.deltanet")
-MIXERS.declare("gla", GLAConfig, "attnzoo.mixers.gla")
-MIXERS.declare("hgrn2", HGRN2Config, "attnzoo.mixers.hgrn2")
-MIXERS.declare("linear_attention", LinearAttentionConfig, "attnzoo.mixers.linear_attention")
-MIXERS.declare("mamba2", Mamba2Config, "attnzoo.mixers.mamba2")
-MIXERS.declare("retnet", RetNetConfig, "attnzoo.mixers.retnet")
-MIXERS.declare("rwkv7", RWKV7Config, "attnzoo.mixers.rwkv7")
+for _name, _config, _module in (
+        ("mha", AttentionConfig, "attention"), ("gqa", AttentionConfig, "attention"), ("mqa", AttentionConfig, "attention"),
+        ("sliding_window", SlidingWindowConfig, "attention"), ("moba", MoBAConfig, "moba"), ("nsa", NSAConfig, "nsa"),
+        ("mla", MLAConfig, "mla"), ("deltanet", DeltaNetConfig, "deltanet"),
+        ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
+        ("linear_attention", LinearAttentionConfig, "linear_attention"), ("mamba2", Mamba2Config, "mamba2"),
+        ("retnet", RetNetConfig, "retnet"), ("rwkv7", RWKV7Config, "rwkv7")):
+    MIXERS.declare(_name, _config, f"attnzoo.mixers.{_module}")
 # modules of the package that register no mixer
 MIXERS.helpers(*(f"attnzoo.mixers.{m}" for m in ("base", "attention_cache", "block_sparse", "kv_quant",
                                                   "recurrent_base", "short_conv", "kv_format", "spec",

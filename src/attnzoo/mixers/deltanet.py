@@ -14,17 +14,15 @@ beta = sigmoid(W_beta x), per-head RMSNorm on the output, optionally gated by Si
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.ops.delta_rule import chunk_delta_rule, delta_rule_recurrent, delta_rule_step
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import HF_LINEAR_ATTENTION, validate_conv
+from attnzoo.mixers.base import HF_LINEAR_ATTENTION
 from attnzoo.mixers.recurrent_base import RecurrentMixer, l2norm, upcast
 from attnzoo.mixers.configs import DeltaNetConfig, GatedDeltaNetConfig  # noqa: F401 (torch-free: config checks)
 

@@ -12,16 +12,13 @@ they reduce to (ops/gated_linear_attention.py) on a per-step log-decay the subcl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer, upcast
 from attnzoo.ops.gated_linear_attention import (chunk_gated_linear_attention, gated_linear_attention_recurrent,
                                                 gated_linear_attention_step)

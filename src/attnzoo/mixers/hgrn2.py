@@ -17,15 +17,11 @@ the bound is a fixed `lower_bound` (0 = off: fla's first layer and its `use_lowe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
 from attnzoo.mixers.recurrent_base import GatedRMSNorm
 from attnzoo.mixers.configs import HGRN2Config  # noqa: F401 (torch-free: config checks)

@@ -41,17 +41,13 @@ compute dtype (`kv_bytes`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from attnzoo.config.errors import ConfigError
-from attnzoo.config.registry import MIXERS
 from attnzoo.layers.kv_cache import LayerCache
-from attnzoo.mixers.attention_cache import KVCache, StaticKVCache
-from attnzoo.mixers.base import dtype_bytes
+from attnzoo.mixers.attention_cache import KVCache
 from attnzoo.mixers.kv_format import (CONFIG_FIELDS, KV_CACHE_DTYPES, KVFormat, coverage, format_kwargs,  # noqa: F401
                                       quantized_names, quantizes)
 

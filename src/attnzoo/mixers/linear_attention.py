@@ -14,16 +14,12 @@ mixers: short conv on q/k/v, per-head RMSNorm, SiLU output gate.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.recurrent_base import RecurrentMixer
 from attnzoo.mixers.configs import FEATURE_MAPS, LinearAttentionConfig  # noqa: F401 (torch-free: config checks)
 

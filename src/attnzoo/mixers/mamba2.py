@@ -19,16 +19,12 @@ runs the per-token recurrence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
 from attnzoo.mixers.recurrent_base import upcast
 from attnzoo.mixers.configs import Mamba2Config  # noqa: F401 (torch-free: config checks)

@@ -20,7 +20,6 @@ Two forms of the same weights (kv_b_proj = [W_UK | W_UV] per head):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.layers.kv_cache import LayerCache
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.layers.norm import RMSNorm
 from attnzoo.distributed import context_parallel as parallel
 from attnzoo.ops.attention import attention_mask, attention_reference, attention_sdpa
 from attnzoo.layers.position import rotary_from_config
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.base import HF_LATENT_ATTENTION, Mixer, causal_attended, dtype_bytes, validate_conv
+from attnzoo.mixers.base import HF_LATENT_ATTENTION, Mixer, causal_attended, dtype_bytes
 from attnzoo.mixers.configs import MLAConfig  # noqa: F401 (torch-free: config checks)
 
 

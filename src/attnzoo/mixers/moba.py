@@ -11,7 +11,6 @@ Hkv * D * (2 L + floor(L / BS)) values after L tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from attnzoo.ops.sparse_attention import moba_attention, moba_attention_static, moba_keys
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import dtype_bytes
-from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
+from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention
 from attnzoo.mixers.configs import MoBAConfig  # noqa: F401 (torch-free: config checks)
 
 

@@ -15,17 +15,15 @@ tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.ops.sparse_attention import nsa_attention, nsa_attention_static, nsa_keys
 from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import causal_attended, dtype_bytes
-from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention, BlockSparseConfig
+from attnzoo.mixers.block_sparse import BlockMeansCache, BlockSparseAttention
 from attnzoo.mixers.configs import NSAConfig  # noqa: F401 (torch-free: config checks)
 
 

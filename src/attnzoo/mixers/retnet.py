@@ -13,15 +13,11 @@ per-token recurrence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import register_mixer
 from attnzoo.layers.position import rotary_from_config
-from attnzoo.mixers.base import validate_conv
 from attnzoo.mixers.gla import GatedLinearMixer
 from attnzoo.mixers.configs import RetNetConfig  # noqa: F401 (torch-free: config checks)
 

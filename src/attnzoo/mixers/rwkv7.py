@@ -33,17 +33,15 @@ as fla's layer 0 does. fla's fused GroupNorm (fuse_norm) is the same norm; its b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import register_mixer
 from attnzoo.distributed import context_parallel as parallel
-from attnzoo.mixers.base import dtype_bytes, validate_conv
+from attnzoo.mixers.base import dtype_bytes
 from attnzoo.mixers.recurrent_base import RecurrentMixer, RecurrentStateCache, state_dtype, upcast
 from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
                                                 generalized_delta_rule_step)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.config.registry import MIXERS
-from attnzoo.config.schema import ConfigError, ModelConfig
+from attnzoo.config.schema import ModelConfig
 from attnzoo.layers.ffn import build_ffn
 from attnzoo.layers.kv_cache import LayerCache
 from attnzoo.layers.norm import build_norm

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
-from attnzoo.config.errors import ConfigError
 from attnzoo.config.schema import resolve_model
 from attnzoo.config.stops import Spent, run_length, tokens_per_step
 from attnzoo.data import build_datamodule
