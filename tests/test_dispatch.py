@@ -497,3 +497,26 @@ def test_compiled_flex_serves_every_length_with_two_graphs_and_masks_are_not_inf
     with torch.inference_mode():
         mask = flex.block_mask(40, 40, window=5, sinks=2, device="cpu")
     assert not mask.kv_num_blocks.is_inference() and not mask.kv_indices.is_inference()
+
+
+def test_no_cuda_is_decided_without_torch_only_where_it_is_certain(monkeypatch):
+    """config/machine.py answers "no CUDA" before torch's import (issue 45): a CPU build of torch (read from
+    torch/version.py), a CUDA build without the NVIDIA driver, CUDA_VISIBLE_DEVICES empty; a ROCm build, or a
+    driver present, is torch's to answer. Wherever it says no, torch agrees."""
+    from attnzoo.config import machine
+
+    if machine.no_cuda_reason():
+        assert not torch.cuda.is_available()
+    assert machine.cuda_available() == torch.cuda.is_available()
+    build = dict(machine.torch_build() or {"__version__": "2.13.0"})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for facts, loadable, says_no in [({"cuda": None, "hip": None}, True, "is a CPU build"),
+                                     ({"cuda": "12.8", "hip": None}, False, "no NVIDIA driver"),
+                                     ({"cuda": "12.8", "hip": None}, True, None),
+                                     ({"cuda": None, "hip": "6.3"}, False, None)]:
+        monkeypatch.setattr(machine, "torch_build", lambda facts=facts: {**build, **facts})
+        monkeypatch.setattr(machine, "_loadable", lambda lib, ok=loadable: ok)
+        reason = machine.no_cuda_reason()
+        assert (reason is None) if says_no is None else says_no in reason, (facts, loadable, reason)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert machine.no_cuda_reason() == "CUDA_VISIBLE_DEVICES is empty"

@@ -61,6 +61,10 @@ VALIDATED = [  # the configs VALIDATE_PROBE checks (besides the pattern of every
     ["model=swin", "data=digits"], ["model=vlm", "data=shapes"], ["trainer=ddp_cpu", "trainer.context_parallel=2"],
     ["trainer=fsdp_cpu"], ["model/ffn=moe"], ["model/ffn=mlp"], ["model=gpt2"],
 ]
+REFUSED_HERE = [  # refused on a machine without CUDA (config/machine.py: a CPU build of torch, or no driver)
+    ["trainer=gpu"], ["trainer=ddp"], ["trainer=fsdp"], ["model/mixer=gated_deltanet", "model.impl=fla"],
+    ["model/mixer=sliding_window", "model.impl=flex"],
+]
 VALIDATE_PROBE = f"""
 import json, sys
 from pathlib import Path
@@ -68,7 +72,8 @@ from hydra import compose, initialize_config_dir
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import CONF_DIR
 from attnzoo.config.registry import MIXERS
-from attnzoo.training.config_checks import check_kernels_present, validate
+from attnzoo.config.machine import no_cuda_reason
+from attnzoo.training.config_checks import check_devices_present, check_kernels_present, validate
 from attnzoo.distributed.checkpoint_files import check_checkpoint_file
 tmp = Path(sys.argv[1])
 every = "model.pattern=[" + ",".join(MIXERS.names()) + "]"
@@ -79,6 +84,15 @@ with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["debug=smoke", f"paths.output_dir={{tmp}}/run{{i}}", *extra])
         check_kernels_present(validate(cfg))
         checked += 1
+    for i, extra in enumerate({REFUSED_HERE!r} if no_cuda_reason() else []):
+        cfg = compose("train", overrides=["debug=smoke", f"paths.output_dir={{tmp}}/refused{{i}}", *extra])
+        parts = validate(cfg)
+        try:
+            check_devices_present(parts["run"].trainer)
+            check_kernels_present(parts)
+        except ConfigError as e:
+            checked += 1
+            assert "no CUDA" in str(e), e
 (tmp / "bad.ckpt").write_bytes(b"PK truncated")
 try:
     check_checkpoint_file(tmp / "bad.ckpt")
@@ -87,14 +101,16 @@ except ConfigError:
 seen = {{"torch": "torch" in sys.modules, "lightning": "lightning" in sys.modules}}
 import attnzoo.layers.moe
 MIXERS.load_all()
-print(json.dumps({{"checked": checked, **seen, "dynamo": "torch._dynamo" in sys.modules}}))
+print(json.dumps({{"checked": checked, "refused_here": len({REFUSED_HERE!r}) if no_cuda_reason() else 0, **seen,
+                  "dynamo": "torch._dynamo" in sys.modules}}))
 """
 
 
 def test_config_checks_import_neither_torch_nor_lightning(tmp_path):
     """What a refused value costs (issue 45 item 1): `validate()` of configs that reach every mixer (one pattern of
     all of them, with a KV format), the data modules, the model families and the trainer presets, and the
-    checkpoint file's check, in one process that imports neither torch nor Lightning (the config dataclasses and
+    checkpoint file's check, and (on a machine without CUDA) the GPU presets and fla / flex kernels refused by what
+    config/machine.py reads without torch, in one process that imports neither torch nor Lightning (the config dataclasses and
     what the checks ask of a class are declared torch-free: mixers/configs.py, layers/ffn_configs.py,
     data/configs.py). Then the whole zoo imported leaves torch._dynamo out (~2 s on a 2-core machine)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "ATTNZOO_FULL_IMPORTS"}
@@ -102,7 +118,8 @@ def test_config_checks_import_neither_torch_nor_lightning(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"checked": len(VALIDATED) + 2, "torch": False, "lightning": False, "dynamo": False}, got
+    assert got == {"checked": len(VALIDATED) + 2 + got["refused_here"], "refused_here": got["refused_here"],
+                   "torch": False, "lightning": False, "dynamo": False}, got
 
 
 def test_constant_result_sets_the_mark_torch_sets():

@@ -45,6 +45,7 @@ import torch
 
 from attnzoo.config.schema import IMPLS
 from attnzoo.config.errors import ConfigError, check_choice
+from attnzoo.config.machine import allowed_here, kernel_refusal
 from attnzoo.ops.triton_interpreter import accommodate, interpreting
 
 BACKENDS = ("torch", "fla", "flex")
@@ -142,24 +143,6 @@ def fla_devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if interpreting() else ("cuda",)
 
 
-def allowed_here(device_type: str, *, fla_ok: bool, flex_ok: bool, fla_devices: tuple = ("cuda",)) -> list[str]:
-    """The model.impl values that can run on `device_type` given what is installed."""
-    out = ["auto", "torch"]
-    if device_type in fla_devices and fla_ok:
-        out.append("fla")
-    if device_type == "cuda" and flex_ok:
-        out.append("flex")
-    return out
-
-
-def _refuse(requested: str, device_type: str, fla_ok: bool, flex_ok: bool, fla_devices: tuple) -> ConfigError:
-    need = ("a CUDA device (or TRITON_INTERPRET=1 on a CPU) with fla-core and triton (pip install -e '.[gpu]')"
-            if requested == "fla" else "a CUDA device with triton (flex_attention compiles Triton kernels; no CPU backward)")
-    where = "this machine" if device_type == "cuda" else f"{device_type} (no CUDA here)"
-    allowed = allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok, fla_devices=fla_devices)
-    return ConfigError(f"{requested} needs {need}, not {where}; allowed here: {', '.join(allowed)}", field="model.impl")
-
-
 def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dtype, *, fla_ok: bool, flex_ok: bool,
                   fla_devices: tuple = ("cuda",), fla_dtypes: tuple = FLA_DTYPES, fla_gate: Optional[str] = None) -> str:
     """The backend ("torch" | "fla" | "flex") of one call: the table in this module's docstring.
@@ -172,7 +155,8 @@ def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dt
         return "torch"
     if (requested == "fla" and not (device_type in fla_devices and fla_ok)) or \
             (requested == "flex" and not (device_type == "cuda" and flex_ok)):
-        raise _refuse(requested, device_type, fla_ok, flex_ok, fla_devices)
+        raise kernel_refusal(requested, device_type, allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok,
+                                                                  fla_devices=fla_devices))
     if family == "linear" and requested == "fla":
         allowed = ", ".join(allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok, fla_devices=fla_devices))
         if fla_gate:

@@ -17,6 +17,8 @@ from attnzoo.config.schema import (IMPLS, InferenceConfig, ModelConfig, TrainCon
 from attnzoo.data import DATAMODULES
 from attnzoo.distributed.checkpoint_files import check_checkpoint_file, checkpoint_file
 from attnzoo.config.errors import ConfigError, check, check_choice
+from attnzoo.config.machine import cuda_available, kernel_refusal
+from attnzoo.ops.triton_interpreter import interpreting
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget
@@ -56,12 +58,12 @@ def check_devices_present(t: TrainerConfig) -> None:
     """Run time, not config validation (a GPU preset is a valid config on a CPU machine): the requested
     accelerator exists here."""
     if t.accelerator in ("gpu", "cuda"):
-        import torch
-
         alternative = ("trainer=fsdp_cpu for FSDP over CPU processes" if str(t.strategy) == "fsdp"
                        else "trainer=cpu, or trainer=ddp_cpu for DDP over CPU processes")
-        check(torch.cuda.is_available(), "trainer.accelerator",
+        check(cuda_available(), "trainer.accelerator",  # certain no's without torch (config/machine.py)
               f"{t.accelerator} requested but no CUDA device is visible; allowed here: cpu ({alternative})")
+        import torch
+
         fsdp_bf16 = str(t.strategy) == "fsdp" and "bf16" in (t.fsdp.param_dtype, t.fsdp.reduce_dtype)
         check(not fsdp_bf16 or torch.cuda.is_bf16_supported(), "trainer.fsdp.param_dtype",
               f"bf16 on {torch.cuda.get_device_name()}, which has no bf16; allowed: fp16 or null")
@@ -363,10 +365,8 @@ def validate(cfg: DictConfig) -> dict:
 
 def run_device_type(trainer_cfg) -> str:
     """The device type a run trains on: cuda for accelerator gpu / cuda (auto: when one is visible), else cpu."""
-    import torch
-
     acc = str(trainer_cfg.accelerator)
-    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()) else "cpu"
+    return "cuda" if acc in ("gpu", "cuda") or (acc == "auto" and cuda_available()) else "cpu"
 
 
 def fla_kernels_of(model_cfg) -> tuple:
@@ -391,9 +391,12 @@ def check_kernels_present(parts: dict) -> None:
     check_choice(impl, "model.impl", IMPLS)
     if impl not in ("fla", "flex"):  # auto / torch: nothing to refuse here (nor torch to import: issue 45)
         return
+    device_type = run_device_type(run.trainer)
+    if device_type != "cuda" and not (impl == "fla" and interpreting()):  # certain without asking what is installed
+        raise kernel_refusal(impl, device_type, ["auto", "torch"])
     from attnzoo.ops.dispatch import check_request, run_compute_dtype
 
-    check_request(impl, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0],
+    check_request(impl, device_type, run_compute_dtype(run.trainer)[0],
                   fla_kernels_of(model_cfg))
     if impl != "fla":
         return

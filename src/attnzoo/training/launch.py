@@ -67,9 +67,9 @@ def on_gpus(trainer_cfg) -> bool:
     acc = str(trainer_cfg.accelerator)
     if acc != "auto":
         return acc in ("gpu", "cuda")
-    import torch  # only auto asks the machine
+    from attnzoo.config.machine import cuda_available  # only auto asks the machine (torch only when it must)
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def requested_devices(trainer_cfg) -> int:
