@@ -40,6 +40,8 @@ def main() -> None:
     run dir behind that Hydra made for it; a run stopped by SIGTERM exits 0 (resume it with --resume). Under
     `-m` the value a sweeper optimises is the job's `optimized_metric` (default val/loss), NaN for a failed job."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        sys.exit(print_help(sys.argv[1:]))
     try:
         sys.argv[1:] = resume_argv(sys.argv[1:])
     except ConfigError as e:
@@ -50,6 +52,66 @@ def main() -> None:
         print(f"attnzoo: error: {problem}", file=sys.stderr)
         sys.exit(2)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")(_run_job)()
+
+
+HELP = """attnzoo-train: train one model, composed from the config groups below (a Hydra app over conf/train.yaml).
+
+  attnzoo-train [--resume RUN_DIR] [group=option ...] [key=value ...] [-m]
+
+  attnzoo-train debug=smoke                      a tiny run in seconds
+  attnzoo-train model/mixer=gated_deltanet       swap the token mixer (every layer)
+  attnzoo-train --resume outputs/train/RUN       continue a run from its last.ckpt
+  attnzoo-train -m model/mixer=mha,gla           one job per value (attnzoo-sweep NAME runs the named sweeps)
+
+Docs: README.md (the config groups, the mixer table), docs/architecture.md.
+
+== Configuration groups ==
+Compose your configuration from those groups (group=option)
+
+{groups}
+
+
+== Config ==
+Override anything in the config (foo.bar=value)
+
+{config}
+Powered by Hydra (https://hydra.cc)
+Use --hydra-help to view Hydra specific help
+"""
+
+
+def config_groups(root: Path = CONF_DIR) -> list[tuple[str, list[str]]]:
+    """The config groups under conf/ and their options (the yaml files), as Hydra lists them in its help; read
+    from the folder (Hydra's own listing builds a config repository per group: ~1.5 s of a 1.8 s --help)."""
+    out = []
+    for d in sorted(p for p in root.rglob("*") if p.is_dir()):
+        group = d.relative_to(root).as_posix()
+        options = sorted(f.stem for f in d.glob("*.yaml"))
+        if options and group.split("/")[0] != "hydra":
+            out.append((group, options))
+    return out
+
+
+def print_help(args: list[str]) -> int:
+    """`attnzoo-train --help [overrides...]`: the groups and the config those overrides compose (issue 45: in the
+    time of one composition). A command line that does not compose gets Hydra's own report."""
+    overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+    problem = check_group_overrides(overrides)
+    if problem:
+        print(f"attnzoo: error: {problem}", file=sys.stderr)
+        return 2
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+    except Exception as e:  # noqa: BLE001
+        print(f"attnzoo: error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+    finally:
+        GlobalHydra.instance().clear()
+    groups = "\n".join(f"{g}: {', '.join(opts)}" for g, opts in config_groups())
+    print(HELP.format(groups=groups, config=OmegaConf.to_yaml(cfg)), end="")
+    return 0
 
 
 def _die_with_the_sweep() -> None:
