@@ -5,13 +5,13 @@ from __future__ import annotations
 
 
 def generate() -> None:
-    from attnzoo.inference.generate import generate_main
+    from attnzoo.inference.commands import generate_main
 
     generate_main()
 
 
 def evaluate() -> None:
-    from attnzoo.inference.generate import eval_main
+    from attnzoo.inference.commands import eval_main
 
     eval_main()
 

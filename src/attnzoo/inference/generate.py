@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,14 +35,12 @@ from torch.utils.data import DataLoader
 
 from attnzoo.analysis.extrapolation import evaluate_kv_format, evaluate_lengths, evaluate_loader
 from attnzoo.config.errors import ConfigError
-from attnzoo.config.paths import unwritable
 from attnzoo.config.schema import InferenceConfig, resolve_model, tagged
 from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks
 from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
 from attnzoo.models.decoding import Decoder, position_table
-from attnzoo.distributed.fsdp import is_sharded_checkpoint
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 
@@ -68,19 +65,6 @@ class LoadedRun:
         if hasattr(self.datamodule, "decode"):
             return self.datamodule.decode
         return lambda ids: " ".join(map(str, ids))
-
-
-def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
-    p = Path(path).expanduser()
-    if p.is_dir() and not is_sharded_checkpoint(p):  # a run dir (a sharded checkpoint, trainer=fsdp, is a folder too)
-        ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
-        if not ck.exists():
-            raise ConfigError(f"{p} has no checkpoints/{ck.name}; allowed: a run dir with one, or a .ckpt file",
-                              field="checkpoint")
-        return ck
-    if not p.exists():
-        raise ConfigError(f"{p} does not exist; allowed: a run dir or a .ckpt file", field="checkpoint")
-    return p
 
 
 def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir: Optional[str] = None) -> LoadedRun:
@@ -119,18 +103,6 @@ def load(path: str | Path, *, best: bool = False, device: str = "cpu", cache_dir
 # ----------------------------------------------------------------------------- KV-cache format
 
 
-def kv_format_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--kv-cache-dtype", help="KV-cache format: fp32, bf16, int8, int4 (KIVI) (default: the run's "
-                    "inference.kv_cache_dtype)")
-    ap.add_argument("--kv-group-size", type=int, help="G: tokens per key scale, channels per value scale "
-                    "(default: the run's inference.kv_group_size)")
-    ap.add_argument("--kv-residual", type=int, help="R: recent tokens kept in full precision (default: the run's "
-                    "inference.kv_residual)")
-
-
-KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
-
-
 def kv_format_of(run: LoadedRun, args: argparse.Namespace):
     """The KV-cache format from the command line, else the run's `inference` section, else the defaults;
     checked (one-line ConfigError naming the flag). Not fp32: decoder LMs with an mha / gqa / mqa layer."""
@@ -152,6 +124,10 @@ def kv_format_of(run: LoadedRun, args: argparse.Namespace):
 # ----------------------------------------------------------------------------- command-line checks (before any work)
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(device: str, field: str = "--device") -> None:
     """A device torch knows and this machine has: one line, before the checkpoint is read."""
     allowed = "cpu" + (", cuda, cuda:N" if torch.cuda.is_available() else "") + (
@@ -170,27 +146,6 @@ def check_device(device: str, field: str = "--device") -> None:
     if dev.type == "mps" and torch.backends.mps.is_available():
         return
     raise ConfigError(f"{device}: no such device on this machine; allowed: {allowed}", field=field)
-
-
-def check_out_file(out: Optional[Path], field: str = "--out") -> None:
-    """An output file path that can be written: not a directory, not under a file or a read-only directory."""
-
-    if out is None:
-        return
-    if out.is_dir():
-        raise ConfigError(f"{out} is a directory; allowed: a file path", field=field)
-    why = unwritable(out)
-    if why:
-        raise ConfigError(f"{out} cannot be written ({why}); allowed: a path under a writable directory", field=field)
-
-
-def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
-    if not temperature >= 0:  # NaN too
-        raise ConfigError(f"must be >= 0 (0: greedy), got {temperature}", field="--temperature")
-    if top_k is not None and top_k < 0:
-        raise ConfigError(f"must be >= 0 (0: no top-k cut), got {top_k}", field="--top-k")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
 
 
 # ----------------------------------------------------------------------------- generate
@@ -234,68 +189,33 @@ def complete_text(decoded: str) -> str:
     return decoded.rstrip("\ufffd")
 
 
-def generate_main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="attnzoo-generate", description="Sample from a trained run (decoder LMs).")
-    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
-    ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
-    ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="prompt + new tokens: at most model.max_seq_len "
-                    "(past it with --extrapolate, except with learned positions)")
-    ap.add_argument("--extrapolate", action="store_true", help="let prompt + new tokens pass model.max_seq_len with "
-                    "computed positions (rope, alibi, sinusoidal, none): lengths the model is not sized for")
-    ap.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
-    ap.add_argument("--top-k", type=int, default=40, help=">= 0; 0 = no top-k cut")
-    ap.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts decoded together (>= 1)")
-    ap.add_argument("--compile", choices=("auto", "true", "false"), default="auto", help="compile the decode step "
-                    "once (static cache; auto: on CUDA, where it pays at once; on a CPU the first compile takes ~20 s)")
-    kv_format_args(ap)
-    args = ap.parse_args(argv)
-    try:
-        if args.batch_size < 1:
-            raise ConfigError(f"must be >= 1, got {args.batch_size}", field="--batch-size")
-        if (args.prompt is None) == (args.prompts is None):
-            raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
-        if args.prompts is not None and not args.prompts.is_file():
-            raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
-        if args.max_new_tokens < 1:
-            raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        check_device(args.device)
-        prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
-        if not prompts:
-            raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
-                              field="--prompts")
-        run = load(args.run, best=args.best, device=args.device)
+def run_generate(args: argparse.Namespace, prompts: list[str]) -> None:
+    """attnzoo-generate's work, after its command line was checked (inference/commands.py)."""
+    check_device(args.device)
+    run = load(args.run, best=args.best, device=args.device)
 
-        if not family_of(run.config["model"]).decoder_only:
-            raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
-                              field="checkpoint")
-        fmt = kv_format_of(run, args)
-        _check_prompts(run, prompts, args.max_new_tokens, extrapolate=args.extrapolate)
-        ids = [run.encode(p) for p in prompts]
-        batch = min(args.batch_size, len(prompts))
-        compiled = args.device.startswith("cuda") if args.compile == "auto" else args.compile == "true"
-        dec = Decoder(run.model, batch, max(map(len, ids)) + args.max_new_tokens, compile=compiled, kv_format=fmt)
-        if len(prompts) == 1:  # streamed as it comes
-            print(prompts[0], end="", flush=True)
-            stream(run, prompts[0], args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed,
-                   lambda s: print(s, end="", flush=True), decoder=dec)
-            print(flush=True)
-            return
-        g = torch.Generator(device=args.device).manual_seed(args.seed)
-        for start in range(0, len(prompts), batch):  # `batch` prompts decoded together, each at its own position
-            gen = dec.generate(ids[start:start + batch], args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k or None, top_p=args.top_p, generator=g, decode=run.decode)
-            for i, text in enumerate(gen.text):
-                print(f"--- prompt {start + i + 1}: {prompts[start + i]!r}", flush=True)
-                print(prompts[start + i] + complete_text(text), flush=True)
-    except ConfigError as e:
-        print(f"attnzoo-generate: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if not family_of(run.config["model"]).decoder_only:
+        raise ConfigError(f"{run.checkpoint} is a {family_of(run.config['model']).name} model; allowed: a decoder LM",
+                          field="checkpoint")
+    fmt = kv_format_of(run, args)
+    _check_prompts(run, prompts, args.max_new_tokens, extrapolate=args.extrapolate)
+    ids = [run.encode(p) for p in prompts]
+    batch = min(args.batch_size, len(prompts))
+    compiled = args.device.startswith("cuda") if args.compile == "auto" else args.compile == "true"
+    dec = Decoder(run.model, batch, max(map(len, ids)) + args.max_new_tokens, compile=compiled, kv_format=fmt)
+    if len(prompts) == 1:  # streamed as it comes
+        print(prompts[0], end="", flush=True)
+        stream(run, prompts[0], args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed,
+               lambda s: print(s, end="", flush=True), decoder=dec)
+        print(flush=True)
+        return
+    g = torch.Generator(device=args.device).manual_seed(args.seed)
+    for start in range(0, len(prompts), batch):  # `batch` prompts decoded together, each at its own position
+        gen = dec.generate(ids[start:start + batch], args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k or None, top_p=args.top_p, generator=g, decode=run.decode)
+        for i, text in enumerate(gen.text):
+            print(f"--- prompt {start + i + 1}: {prompts[start + i]!r}", flush=True)
+            print(prompts[start + i] + complete_text(text), flush=True)
 
 
 def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int, extrapolate: bool = False) -> None:
@@ -361,90 +281,70 @@ def scored_batches(loader, max_batches: Optional[int], run_trainer: Optional[dic
     return out
 
 
-def eval_main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
-    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
-    ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
-    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths (>= 2)")
-    ap.add_argument("--max-batches", type=int, default=None,
-                    help=">= 1 (default: every batch of the validation split or --text, which can be more than the "
-                         "run's own validation scored: trainer.limit_val_batches, e.g. 2 with debug=smoke; the output "
-                         "says how many batches and tokens it scored and what the run's limit was)")
-    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
-    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    kv_format_args(ap)
-    args = ap.parse_args(argv)
-    try:
-        short = [L for L in args.context_lengths if L < 2]
-        if short:
-            raise ConfigError(f"got {' '.join(map(str, short))}; allowed: lengths >= 2 (a prediction needs a "
-                              f"token before it)", field="--context-lengths")
-        if args.max_batches is not None and args.max_batches < 1:
-            raise ConfigError(f"must be >= 1, got {args.max_batches}; allowed: omit it for every batch",
-                              field="--max-batches")
-        check_out_file(args.out)
-        check_device(args.device)
-        run = load(args.run, best=args.best, device=args.device)
+def run_eval(args: argparse.Namespace) -> None:
+    """attnzoo-eval's work, after its command line was checked (inference/commands.py)."""
+    check_device(args.device)
+    run = load(args.run, best=args.best, device=args.device)
 
-        family = family_of(run.config["model"])
-        fmt = kv_format_of(run, args)
-        kv_quant = ""
-        if family.decoder_only:  # what the format stores at the run's length; refused where it stores nothing
+    family = family_of(run.config["model"])
+    fmt = kv_format_of(run, args)
+    kv_quant = ""
+    if family.decoder_only:  # what the format stores at the run's length; refused where it stores nothing
 
-            kv_quant = coverage(fmt, [m.name for m in run.model.layer_mixers], run.config["data"]["seq_len"],
-                                fields=KV_FLAGS, seq_field="the run's data.seq_len")
-        if args.text is not None:
-            if not hasattr(run.datamodule, "encode"):
-                raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
-                                  f"text run", field="--text")
+        kv_quant = coverage(fmt, [m.name for m in run.model.layer_mixers], run.config["data"]["seq_len"],
+                            fields=KV_FLAGS, seq_field="the run's data.seq_len")
+    if args.text is not None:
+        if not hasattr(run.datamodule, "encode"):
+            raise ConfigError(f"the run trained on data={run.config['data'].get('name')}; allowed with --text: a "
+                              f"text run", field="--text")
 
 
-            text, _ = load_corpus(str(args.text), None)
-            ids = torch.tensor(run.encode(text), dtype=torch.int32)
-            seq = run.config["data"]["seq_len"]
-            blocks = Blocks(ids, seq)
-            if len(blocks) == 0:
-                raise ConfigError(f"{args.text} holds {len(ids)} tokens, fewer than one {seq}-token block", field="--text")
-            loader = DataLoader(blocks, batch_size=run.config["data"].get("batch_size", 8))
-            source = str(args.text)
-        else:
-            loader = run.datamodule.val_dataloader()
-            source = f"the run's validation split (data={run.config['data'].get('name')})"
-        if family.decoder_only:
-            metrics = evaluate(run, loader, args.max_batches)
-            # analytic cache bytes per token at the run's length, in the chosen format (kv_quant.KVFormat.kv_bytes)
-            seq = run.config["data"]["seq_len"]
-            dtype = next(run.model.parameters()).dtype
-            metrics["cache/bytes_per_token"] = run.model.cache_bytes(seq, 1, dtype, kv_format=fmt) / seq
-            if fmt.dtype != "fp32":  # val/loss_kvq(_delta): the same batches through a cache in that format
+        text, _ = load_corpus(str(args.text), None)
+        ids = torch.tensor(run.encode(text), dtype=torch.int32)
+        seq = run.config["data"]["seq_len"]
+        blocks = Blocks(ids, seq)
+        if len(blocks) == 0:
+            raise ConfigError(f"{args.text} holds {len(ids)} tokens, fewer than one {seq}-token block", field="--text")
+        loader = DataLoader(blocks, batch_size=run.config["data"].get("batch_size", 8))
+        source = str(args.text)
+    else:
+        loader = run.datamodule.val_dataloader()
+        source = f"the run's validation split (data={run.config['data'].get('name')})"
+    if family.decoder_only:
+        metrics = evaluate(run, loader, args.max_batches)
+        # analytic cache bytes per token at the run's length, in the chosen format (kv_quant.KVFormat.kv_bytes)
+        seq = run.config["data"]["seq_len"]
+        dtype = next(run.model.parameters()).dtype
+        metrics["cache/bytes_per_token"] = run.model.cache_bytes(seq, 1, dtype, kv_format=fmt) / seq
+        if fmt.dtype != "fp32":  # val/loss_kvq(_delta): the same batches through a cache in that format
 
-                metrics.update(evaluate_kv_format(run.lit, loader, fmt, args.max_batches))
-        else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
+            metrics.update(evaluate_kv_format(run.lit, loader, fmt, args.max_batches))
+    else:  # the other families' own validation (exact match for seq2seq, masked-token accuracy for MLM)
 
-            res = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", logger=False,
-                            enable_progress_bar=False, limit_val_batches=args.max_batches or 1.0).validate(
-                run.lit, dataloaders=loader, verbose=False)
-            metrics = {k: float(v) for k, v in res[0].items()}
-        if args.context_lengths:
-            if not family.decoder_only:
-                raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
+        res = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", logger=False,
+                        enable_progress_bar=False, limit_val_batches=args.max_batches or 1.0).validate(
+            run.lit, dataloaders=loader, verbose=False)
+        metrics = {k: float(v) for k, v in res[0].items()}
+    if args.context_lengths:
+        if not family.decoder_only:
+            raise ConfigError("length evaluation is for decoder LMs", field="--context-lengths")
 
-            data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
-            metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
-        scored = scored_batches(loader, args.max_batches, None if args.text else run.config.get("trainer") or {})
-        result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
-                  "kv_format": dataclasses.asdict(fmt), **({"kv_quant": kv_quant} if kv_quant else {}),
-                  "scored": scored, "metrics": metrics}
-        out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
-                           else run.checkpoint.with_suffix(".eval.json"))
-        out.write_text(json.dumps(result, indent=2))
-        print(scored["line"] + (f" (tokens {int(metrics['tokens']):,})" if "tokens" in metrics else ""))
-        if kv_quant:
-            print(f"kv-quant: {kv_quant}")
-        for k, v in metrics.items():
-            print(f"{k:28s} {v:.6g}")
-        print(f"wrote {out}")
-    except ConfigError as e:
-        print(f"attnzoo-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        data_cfg = tagged(DATAMODULES, run.config["data"], "data", default_name="text")
+        metrics.update(evaluate_lengths(run.lit, run.datamodule, data_cfg, args.context_lengths, args.max_batches or 8))
+    scored = scored_batches(loader, args.max_batches, None if args.text else run.config.get("trainer") or {})
+    result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
+              "kv_format": dataclasses.asdict(fmt), **({"kv_quant": kv_quant} if kv_quant else {}),
+              "scored": scored, "metrics": metrics}
+    out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
+                       else run.checkpoint.with_suffix(".eval.json"))
+    out.write_text(json.dumps(result, indent=2))
+    print(scored["line"] + (f" (tokens {int(metrics['tokens']):,})" if "tokens" in metrics else ""))
+    if kv_quant:
+        print(f"kv-quant: {kv_quant}")
+    for k, v in metrics.items():
+        print(f"{k:28s} {v:.6g}")
+    print(f"wrote {out}")
+
+
+from attnzoo.inference.commands import (KV_FLAGS, check_out_file, check_sampling, eval_main,  # noqa: E402,F401
+                                        generate_main, kv_format_args, resolve_checkpoint)

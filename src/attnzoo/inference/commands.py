@@ -1,0 +1,196 @@
+"""The command lines of `attnzoo-generate` and `attnzoo-eval`: parsed and checked without torch (issue 45: a
+refused flag, a missing run dir, a truncated checkpoint file or a GPU device on a CPU machine is reported in
+the time of Python's start, not after torch's ~1.7 s import), then handed to inference/generate.py, which
+loads the run and does the work (and checks what needs the run: its positions, its KV layers, its device).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.config.machine import no_cuda_reason
+from attnzoo.config.paths import unwritable
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file, is_sharded_checkpoint
+
+KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
+# the device types torch.device() parses (c10/core/DeviceType.cpp); which of them this machine has is torch's call
+TORCH_DEVICE_TYPES = ("cpu", "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
+                      "vulkan", "metal", "xpu", "mps", "meta", "hpu", "lazy", "ipu", "mtia", "privateuseone")
+
+
+def kv_format_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kv-cache-dtype", help="KV-cache format: fp32, bf16, int8, int4 (KIVI) (default: the run's "
+                    "inference.kv_cache_dtype)")
+    ap.add_argument("--kv-group-size", type=int, help="G: tokens per key scale, channels per value scale "
+                    "(default: the run's inference.kv_group_size)")
+    ap.add_argument("--kv-residual", type=int, help="R: recent tokens kept in full precision (default: the run's "
+                    "inference.kv_residual)")
+
+
+def device_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when one is visible)")
+
+
+def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
+    """A run dir (its checkpoints/last.ckpt, or best.ckpt) or a checkpoint (a file, or a sharded folder)."""
+    p = Path(path).expanduser()
+    if p.is_dir() and not is_sharded_checkpoint(p):  # a run dir (a sharded checkpoint, trainer=fsdp, is a folder too)
+        ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
+        if not ck.exists():
+            raise ConfigError(f"{p} has no checkpoints/{ck.name}; allowed: a run dir with one, or a .ckpt file",
+                              field="checkpoint")
+        return ck
+    if not p.exists():
+        raise ConfigError(f"{p} does not exist; allowed: a run dir or a .ckpt file", field="checkpoint")
+    return p
+
+
+def precheck_device(device: Optional[str], field: str = "--device") -> None:
+    """What can be said of `device` without torch: on a machine certainly without CUDA (config/machine.py) and
+    not a Mac, only the CPU exists, so any other device is refused in the line the full check (generate.py
+    check_device) gives. Elsewhere torch decides."""
+    if device is None or sys.platform == "darwin" or no_cuda_reason() is None:
+        return
+    m = re.fullmatch(r"([a-z_]+)(?::\d+)?", device)
+    if not m or m.group(1) not in TORCH_DEVICE_TYPES:
+        raise ConfigError(f"unknown device {device!r}; allowed: cpu", field=field)
+    if m.group(1) != "cpu":
+        raise ConfigError(f"{device}: no such device on this machine; allowed: cpu", field=field)
+
+
+def check_out_file(out: Optional[Path], field: str = "--out") -> None:
+    """An output file path that can be written: not a directory, not under a file or a read-only directory."""
+
+    if out is None:
+        return
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; allowed: a file path", field=field)
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"{out} cannot be written ({why}); allowed: a path under a writable directory", field=field)
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"must be >= 0 (0: greedy), got {temperature}", field="--temperature")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"must be >= 0 (0: no top-k cut), got {top_k}", field="--top-k")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
+
+
+def precheck_checkpoint(path: str, best: bool) -> None:
+    """The checkpoint's path and file (a truncated zip, a folder without its index): before torch reads it."""
+    ckpt = resolve_checkpoint(path, best)
+    if not is_sharded_checkpoint(ckpt):
+        check_checkpoint_file(ckpt, field="checkpoint")
+
+
+# ----------------------------------------------------------------------------- attnzoo-generate
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="attnzoo-generate", description="Sample from a trained run (decoder LMs).")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("prompt", nargs="?", help="the prompt (synthetic tasks: space-separated token ids)")
+    ap.add_argument("--prompts", type=Path, help="a file with one prompt per line (instead of PROMPT)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="prompt + new tokens: at most model.max_seq_len "
+                    "(past it with --extrapolate, except with learned positions)")
+    ap.add_argument("--extrapolate", action="store_true", help="let prompt + new tokens pass model.max_seq_len with "
+                    "computed positions (rope, alibi, sinusoidal, none): lengths the model is not sized for")
+    ap.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    ap.add_argument("--top-k", type=int, default=40, help=">= 0; 0 = no top-k cut")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    device_arg(ap)
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts decoded together (>= 1)")
+    ap.add_argument("--compile", choices=("auto", "true", "false"), default="auto", help="compile the decode step "
+                    "once (static cache; auto: on CUDA, where it pays at once; on a CPU the first compile takes ~20 s)")
+    kv_format_args(ap)
+    return ap
+
+
+def precheck_generate(args: argparse.Namespace) -> list[str]:
+    """attnzoo-generate's refusals that need neither torch nor the run; returns the prompts."""
+    if args.batch_size < 1:
+        raise ConfigError(f"must be >= 1, got {args.batch_size}", field="--batch-size")
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
+    if args.prompts is not None and not args.prompts.is_file():
+        raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    precheck_device(args.device)
+    prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+    if not prompts:
+        raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
+                          field="--prompts")
+    precheck_checkpoint(args.run, args.best)
+    return prompts
+
+
+def generate_main(argv: list[str] | None = None) -> None:
+    args = generate_parser().parse_args(argv)
+    try:
+        prompts = precheck_generate(args)
+        from attnzoo.inference.generate import default_device, run_generate
+
+        args.device = args.device or default_device()
+        run_generate(args, prompts)
+    except ConfigError as e:
+        print(f"attnzoo-generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- attnzoo-eval
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="attnzoo-eval", description="Evaluate a trained run; writes JSON.")
+    ap.add_argument("run", help="a run directory (its checkpoints/last.ckpt) or a .ckpt file")
+    ap.add_argument("--text", type=Path, help="a text file to evaluate on (the run's tokenizer) instead of its val split")
+    ap.add_argument("--context-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths (>= 2)")
+    ap.add_argument("--max-batches", type=int, default=None,
+                    help=">= 1 (default: every batch of the validation split or --text, which can be more than the "
+                         "run's own validation scored: trainer.limit_val_batches, e.g. 2 with debug=smoke; the output "
+                         "says how many batches and tokens it scored and what the run's limit was)")
+    ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
+    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
+    device_arg(ap)
+    kv_format_args(ap)
+    return ap
+
+
+def precheck_eval(args: argparse.Namespace) -> None:
+    """attnzoo-eval's refusals that need neither torch nor the run."""
+    short = [L for L in args.context_lengths if L < 2]
+    if short:
+        raise ConfigError(f"got {' '.join(map(str, short))}; allowed: lengths >= 2 (a prediction needs a "
+                          f"token before it)", field="--context-lengths")
+    if args.max_batches is not None and args.max_batches < 1:
+        raise ConfigError(f"must be >= 1, got {args.max_batches}; allowed: omit it for every batch",
+                          field="--max-batches")
+    check_out_file(args.out)
+    precheck_device(args.device)
+    if args.text is not None and not args.text.exists():
+        raise ConfigError(f"{args.text} does not exist; allowed: a text file or a folder of text files", field="--text")
+    precheck_checkpoint(args.run, args.best)
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    args = eval_parser().parse_args(argv)
+    try:
+        precheck_eval(args)
+        from attnzoo.inference.generate import default_device, run_eval
+
+        args.device = args.device or default_device()
+        run_eval(args)
+    except ConfigError as e:
+        print(f"attnzoo-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
