@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.distributed.fsdp import is_sharded_checkpoint
-from attnzoo.training.checkpoint_io import check_checkpoint
-from attnzoo.training.fsdp import consolidate
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file, check_consolidate_paths, is_sharded_checkpoint
+
+# torch is imported once the paths were checked (issue 45: a refused path in the time of Python's start)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def describe(path: str) -> str:
+    check_checkpoint_file(path, field="CKPT")
+    from attnzoo.training.checkpoint_io import check_checkpoint
+
     state = check_checkpoint(path, field="CKPT")
     form = "sharded folder (torch.distributed.checkpoint)" if is_sharded_checkpoint(path) else "single file"
     n = sum(v.numel() for k, v in state["state_dict"].items() if hasattr(v, "numel"))
@@ -38,6 +41,9 @@ def main(argv: Optional[list] = None) -> None:
         if args.command == "info":
             print(describe(args.ckpt))
             return
+        check_consolidate_paths(args.src, args.dst)
+        from attnzoo.training.fsdp import consolidate
+
         out = consolidate(args.src, args.dst)
         print(f"attnzoo-ckpt: wrote {out} ({Path(out).stat().st_size / 2**20:.1f} MiB) from {args.src}")
     except ConfigError as e:

@@ -8,26 +8,37 @@ from pathlib import Path
 from typing import Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.config.schema import resolve_model, tagged
-from attnzoo.data import DATAMODULES, build_datamodule
-from attnzoo.interop.hf.archs import _no, arch_for
-from attnzoo.interop.hf.convert import check_export_dir, export_model
-from attnzoo.distributed.fsdp import is_sharded_checkpoint
-from attnzoo.training.checkpoint_io import check_checkpoint
-from attnzoo.training.families import family_of
+from attnzoo.config.paths import check_dir_path
+from attnzoo.distributed.checkpoint_files import check_checkpoint_file, is_sharded_checkpoint
+
+# torch, transformers and the model zoo are imported once the command line and the paths were checked (issue 45)
 
 
 # ----------------------------------------------------------------------------- attnzoo-export
 
 
-def load_run_model(run: str | Path, best: bool = False):
-    """(DecoderLM in eval mode, its tokenizer or None, the run config) from a run dir or a .ckpt."""
+def run_checkpoint(run: str | Path, best: bool = False) -> Path:
+    """The checkpoint of a run dir (or the .ckpt / sharded folder given), its path and file checked (no torch)."""
     p = Path(run).expanduser()
     run_dir = p.is_dir() and not is_sharded_checkpoint(p)  # a sharded checkpoint (trainer=fsdp) is a folder too
     ckpt = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt") if run_dir else p
     if not ckpt.exists():
-        raise ConfigError(f"{ckpt} does not exist; allowed: a run dir with checkpoints/{ckpt.name}, or a .ckpt file",
+        raise ConfigError(f"{ckpt} does not exist; allowed: a run dir with checkpoints/{'best' if best else 'last'}.ckpt, or a .ckpt "
+                          f"file",
                           field="RUN_DIR")
+    check_checkpoint_file(ckpt, field="RUN_DIR")
+    return ckpt
+
+
+def load_run_model(run: str | Path, best: bool = False):
+    """(DecoderLM in eval mode, its tokenizer or None, the run config) from a run dir or a .ckpt."""
+    from attnzoo.config.schema import resolve_model, tagged
+    from attnzoo.data import DATAMODULES, build_datamodule
+    from attnzoo.interop.hf.archs import _no
+    from attnzoo.training.checkpoint_io import check_checkpoint
+    from attnzoo.training.families import family_of
+
+    ckpt = run_checkpoint(run, best)
     state = check_checkpoint(ckpt, field="RUN_DIR")
     hp = state.get("hyper_parameters") or {}
     cfg = hp.get("cfg")
@@ -62,8 +73,13 @@ def main(argv: Optional[list] = None) -> None:
     args = ap.parse_args(argv)
     try:
         out = Path(args.out).expanduser()
-        check_export_dir(out, empty=True)
+        check_dir_path(out, "OUT_DIR", allowed="a new or empty directory",  # = interop/hf/convert.check_export_dir
+                       allowed_under="a path under a writable directory", empty=True)
+        run_checkpoint(args.run, args.best)
         model, tokenizer, cfg = load_run_model(args.run, args.best)
+        from attnzoo.interop.hf.archs import arch_for
+        from attnzoo.interop.hf.convert import export_model
+
         arch = arch_for(model)
         try:
             export_model(model, out, tokenizer)

@@ -48,3 +48,18 @@ def check_checkpoint_file(path: str | Path, field: str = "ckpt_path") -> None:
         raise ConfigError(f"{path} does not exist; allowed: an existing .ckpt file or `last`", field=field)
     if p.stat().st_size == 0 or not zipfile.is_zipfile(p):
         raise ConfigError(f"{path} is corrupt or truncated (not a complete torch zip archive)", field=field)
+
+
+def check_consolidate_paths(src: str | Path, dst: str | Path) -> Path:
+    """`attnzoo-ckpt consolidate SRC DST`'s paths, before the checkpoint is read (and before torch's import):
+    SRC a complete sharded checkpoint folder, DST a file path that can be written. Returns DST."""
+    from attnzoo.config.errors import check
+    from attnzoo.config.paths import unwritable
+
+    check(is_sharded_checkpoint(src), "SRC", f"{src} is not a complete sharded checkpoint folder (meta.pt and "
+          f".metadata); allowed: a trainer=fsdp run's checkpoints/last.ckpt or best.ckpt")
+    dst = Path(dst)
+    check(not dst.is_dir(), "DST", f"{dst} is a directory; allowed: a file path (e.g. model.ckpt)")
+    why = unwritable(dst)  # under a file, or a read-only folder: refused before the checkpoint is read
+    check(why is None, "DST", f"{dst} cannot be written ({why}); allowed: a path under a writable directory")
+    return dst

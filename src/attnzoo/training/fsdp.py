@@ -28,7 +28,6 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from attnzoo.config.errors import check
 from attnzoo.distributed.fsdp import gather_full_model, is_sharded_checkpoint, verify_sharded
 
 
@@ -122,15 +121,9 @@ def remove_sharded(path: Path) -> None:
 def consolidate(src: str | Path, dst: str | Path) -> Path:
     """`attnzoo-ckpt consolidate SRC DST`: the sharded checkpoint SRC (a folder, or a run's last.ckpt link to one)
     as one .ckpt file DST, written atomically; refused in one line when SRC is not a complete sharded checkpoint."""
+    from attnzoo.distributed.checkpoint_files import check_consolidate_paths
     from attnzoo.training.checkpoint_io import AtomicCheckpointIO, check_checkpoint
 
-    check(is_sharded_checkpoint(src), "SRC", f"{src} is not a complete sharded checkpoint folder (meta.pt and "
-          f".metadata); allowed: a trainer=fsdp run's checkpoints/last.ckpt or best.ckpt")
-    dst = Path(dst)
-    check(not Path(dst).is_dir(), "DST", f"{dst} is a directory; allowed: a file path (e.g. model.ckpt)")
-    from attnzoo.config.paths import unwritable
-
-    why = unwritable(dst)  # under a file, or a read-only folder: refused before the checkpoint is read
-    check(why is None, "DST", f"{dst} cannot be written ({why}); allowed: a path under a writable directory")
+    dst = check_consolidate_paths(src, dst)
     AtomicCheckpointIO().save_checkpoint(check_checkpoint(src, field="SRC"), dst)
     return dst
