@@ -239,11 +239,17 @@ def test_command_line_is_lm_evals_own_with_the_model_registered(run_dir, tmp_pat
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli)
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() sets sys.argv, as a console script would
     argv = ["--model", "attnzoo", "--tasks", "x", "--model_args", f"path={tmp_path / 'nope'}"]
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e:  # a missing run: refused before lm_eval's CLI (lm_eval_cli.precheck)
+        main(argv)
+    assert e.value.code == 2 and seen == []
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnzoo-lm-eval: error: checkpoint: ") and "\n" not in err
+    argv = ["--model", "attnzoo", "--tasks", "x", "--model_args", f"path={run_dir},nosuch=1"]
+    with pytest.raises(SystemExit) as e:  # refused by the model lm_eval's registry builds
         main(argv)
     assert e.value.code == 2 and seen == [argv]
     err = capsys.readouterr().err.strip()
-    assert err.startswith("attnzoo-lm-eval: error: checkpoint: ") and "\n" not in err
+    assert err.startswith("attnzoo-lm-eval: error: model_args: unknown nosuch") and "\n" not in err, err
     main(["--model_args", f"path={run_dir},batch_size=4"])  # model_args win over the CLI's defaults; cpu fallback
     from lm_eval.api.registry import model_registry
 
@@ -255,7 +261,8 @@ def test_command_line_end_to_end(run_dir, tmp_path):
     tasks = write_tasks(tmp_path, ["x", "y"])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
            "ATTNZOO_TEST_CACHE": str(SESSION_CACHE)}
-    r = run_python(["-m", "attnzoo.inference.lm_eval", "--model", "attnzoo", "--model_args",
+    # the console script's own path: "attnzoo" registered lazily (lm_eval_cli), the class imported by lm_eval
+    r = run_python(["-c", "from attnzoo.cli.scripts import lm_eval; lm_eval()", "--model", "attnzoo", "--model_args",
                     f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen", "--include_path", str(tasks),
                     "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
                    cwd=ROOT, env=env, timeout=600)

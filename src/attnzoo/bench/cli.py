@@ -11,18 +11,36 @@ import time
 from pathlib import Path
 
 import attnzoo.cli  # noqa: F401 - an entry point: Lightning's import kept lean (attnzoo/_lean_imports.py)
-import torch
+
+# torch and the subcommand's module are imported once the command line's shared options were checked, and only
+# the subcommand asked for (issue 45: `attnzoo-bench --threads 0 decode` refused, `attnzoo-bench --help` listed,
+# in the time of Python's start; each module imports torch)
 
 _SKIP = {"cli", "common", "__main__"}
 
 
-def subcommands() -> dict:
+def subcommand_names() -> list[str]:
     pkg = importlib.import_module("attnzoo.bench")
-    mods = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name not in _SKIP and not info.name.startswith("_"):
-            mods[info.name] = importlib.import_module(f"attnzoo.bench.{info.name}")
-    return mods
+    return sorted(i.name for i in pkgutil.iter_modules(pkg.__path__) if i.name not in _SKIP and not i.name.startswith("_"))
+
+
+def subcommands() -> dict:
+    """Every subcommand's module, imported (tests; the command line imports the one it runs)."""
+    return {name: importlib.import_module(f"attnzoo.bench.{name}") for name in subcommand_names()}
+
+
+def help_of(name: str) -> str:
+    """A subcommand module's HELP, read from its source without importing it (a literal string), else imported."""
+    import ast
+
+    path = Path(__file__).with_name(f"{name}.py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "HELP" for t in node.targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                break
+    return getattr(importlib.import_module(f"attnzoo.bench.{name}"), "HELP", "")
 
 
 def markdown_table(columns: list[str], rows: list[dict]) -> str:
@@ -39,6 +57,8 @@ def markdown_table(columns: list[str], rows: list[dict]) -> str:
 
 
 def environment() -> dict:
+    import torch
+
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -74,15 +94,34 @@ def check_common(args) -> None:
                    allowed_under="a folder under a writable directory")
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    mods = subcommands()
-    parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
+def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON + markdown")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (>= 1)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    names = subcommand_names()
+    pre = argparse.ArgumentParser(add_help=False)  # the shared options and the subcommand's name, nothing imported
+    _common_options(pre)
+    pre.add_argument("cmd", nargs="?")
+    first, _ = pre.parse_known_args(argv)
+    if first.cmd in names and not {"-h", "--help"} & set(argv):
+        from attnzoo.config.errors import ConfigError
+
+        try:
+            check_common(first)
+        except ConfigError as e:
+            pre.exit(2, f"attnzoo-bench {first.cmd}: error: {str(e).splitlines()[0]}\n")
+    mods = {first.cmd: importlib.import_module(f"attnzoo.bench.{first.cmd}")} if first.cmd in names else {}
+    parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
+    _common_options(parser)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, mod in sorted(mods.items()):
-        p = sub.add_parser(name, help=getattr(mod, "HELP", ""))
+    for name in names:
+        mod = mods.get(name)
+        p = sub.add_parser(name, help=getattr(mod, "HELP", "") if mod else help_of(name))
+        if mod is None:  # not the one asked for: named in the listing only
+            continue
         mod.add_arguments(p)
         if hasattr(mod, "QUICK"):  # modules without their own --quick: a dict of tiny argument values
             p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds): " +
@@ -96,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_common(args)  # before the benchmark runs: a bad --out would otherwise fail after minutes of work
         if args.threads:
+            import torch
+
             torch.set_num_threads(args.threads)
         result = mods[args.cmd].run(args)
     except (ConfigError, ValueError) as e:  # a bad combination of flags: one line, not a traceback

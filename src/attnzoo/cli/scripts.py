@@ -17,7 +17,7 @@ def evaluate() -> None:
 
 
 def lm_eval() -> None:
-    from attnzoo.inference.lm_eval import main
+    from attnzoo.inference.lm_eval_cli import main
 
     main()
 

@@ -10,10 +10,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from attnzoo.config.paths import follow_umask
+
+if TYPE_CHECKING:
+    import torch  # encode_corpus imports it: attnzoo-data refuses before torch's import (issue 45)
 
 SPECIALS = ["<|endoftext|>"]
 
@@ -161,6 +163,8 @@ def get_tokenizer(kind: str, text: str, vocab_size: int, cache_dir: Path, corpus
 
 def encode_corpus(tok, text: str, cache_dir: Path, key: str) -> torch.Tensor:
     """Token ids of the whole text (int32), cached beside the tokenizer."""
+    import torch
+
     path = Path(cache_dir).expanduser() / "tokens" / f"{key}.pt"
     if path.exists():
         try:

@@ -260,18 +260,10 @@ class AttnzooLM(TemplateLM):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`attnzoo-lm-eval ...`: lm_eval's own command line (same arguments), with "attnzoo" registered."""
-    from lm_eval.__main__ import cli_evaluate
+    """`attnzoo-lm-eval ...` (inference/lm_eval_cli.py; the class is registered already by this import)."""
+    from attnzoo.inference.lm_eval_cli import main as cli_main
 
-    saved = sys.argv
-    sys.argv = ["attnzoo-lm-eval", *(sys.argv[1:] if argv is None else argv)]
-    try:
-        cli_evaluate()
-    except ConfigError as e:
-        print(f"attnzoo-lm-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        sys.argv = saved  # an in-process caller (a test, a notebook) gets its own back
+    cli_main(argv)
 
 
 if __name__ == "__main__":
