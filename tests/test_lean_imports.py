@@ -146,3 +146,67 @@ def test_constant_result_sets_the_mark_torch_sets():
     torch.compiler.assume_constant_result(theirs)
     assert vars(ours) == vars(theirs) and vars(ours), (vars(ours), vars(theirs))
     assert vars(d.fla_available) == vars(theirs) and vars(d.flex_available) == vars(theirs)
+
+
+SCRIPTS_PROBE = """
+import contextlib, io, json, sys
+from pathlib import Path
+tmp = Path(sys.argv[1])
+(tmp / "bad.ckpt").write_bytes(b"PK truncated")
+(tmp / "file.txt").write_text("x")
+from attnzoo.cli import ckpt, data, export
+from attnzoo.bench.cli import main as bench
+from attnzoo.inference.commands import eval_main, generate_main
+from attnzoo.inference.lm_eval_cli import main as lm_eval
+cases = [
+    (generate_main, [str(tmp / "none"), "hi"], "attnzoo-generate: error: checkpoint: "),
+    (generate_main, [str(tmp / "bad.ckpt"), "hi"], "attnzoo-generate: error: checkpoint: "),
+    (generate_main, [str(tmp / "bad.ckpt"), "hi", "--top-p", "1.5"], "attnzoo-generate: error: --top-p: "),
+    (eval_main, [str(tmp / "none")], "attnzoo-eval: error: checkpoint: "),
+    (eval_main, [str(tmp / "bad.ckpt"), "--out", str(tmp / "file.txt" / "e.json")], "attnzoo-eval: error: --out: "),
+    (ckpt.main, ["info", str(tmp / "bad.ckpt")], "attnzoo-ckpt: error: CKPT: "),
+    (ckpt.main, ["consolidate", str(tmp), str(tmp / "x.ckpt")], "attnzoo-ckpt: error: SRC: "),
+    (export.main, [str(tmp / "none"), str(tmp / "out")], "attnzoo-export: error: RUN_DIR: "),
+    (export.main, [str(tmp / "bad.ckpt"), str(tmp / "file.txt")], "attnzoo-export: error: OUT_DIR: "),
+    (data.main, ["prepare", str(tmp / "none"), str(tmp / "out")], "attnzoo-data: error: SRC: "),
+    (data.main, ["info", str(tmp)], "attnzoo-data: error: OUT: "),
+    (bench, ["--threads", "0", "decode"], "attnzoo-bench decode: error: --threads: "),
+    (bench, ["--out", str(tmp / "file.txt" / "b"), "train"], "attnzoo-bench train: error: --out: "),
+    (lm_eval, ["run", "--model", "attnzoo", "--model_args", f"path={tmp / 'none'}", "--tasks", "x"],
+     "attnzoo-lm-eval: error: checkpoint: "),
+]
+refused = []
+for main, argv, start in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    lines = err.getvalue().strip().splitlines()
+    refused.append(code == 2 and len(lines) == 1 and lines[0].startswith(start) or [argv, code, lines])
+for main, argv in [(generate_main, ["--help"]), (eval_main, ["--help"]), (ckpt.main, ["--help"]),
+                   (export.main, ["--help"]), (data.main, ["prepare", "--help"]), (bench, ["--help"]),
+                   (lm_eval, ["--help"])]:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            main(argv)
+        except SystemExit as e:
+            refused.append(e.code == 0 and out.getvalue().startswith("usage:") or [argv, e.code])
+print(json.dumps({"refused": refused, "torch": "torch" in sys.modules, "lightning": "lightning" in sys.modules}))
+"""
+
+
+def test_every_console_script_refuses_and_helps_without_torch(tmp_path):
+    """Issue 45 item 1 beyond attnzoo-train: a missing or truncated checkpoint, a bad flag, a path under a file, a
+    missing source, for attnzoo-generate / -eval / -ckpt / -export / -data / -bench / -lm-eval, each refused in
+    its one line, and their --help texts, in one process that never imports torch or Lightning (the command
+    lines are checked before the work's modules are imported: inference/commands.py, cli/*.py, bench/cli.py,
+    inference/lm_eval_cli.py)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ATTNZOO_FULL_IMPORTS"}
+    out = subprocess.run([sys.executable, "-c", SCRIPTS_PROBE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"refused": [True] * 21, "torch": False, "lightning": False}, got
