@@ -138,11 +138,9 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
             self.tokenizer = load_tokenizer_file(cfg.tokenizer_file, cfg.vocab_size)
         else:
             self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
-        if cfg.tokenizer == "bpe" and self.tokenizer.vocab_size < cfg.vocab_size // 2:
-            raise ConfigError(
-                f"{cfg.vocab_size} asked for, but this corpus ({len(text):,} characters) supports only "
-                f"{self.tokenizer.vocab_size} BPE tokens (what the tokenizer learned); allowed: <= "
-                f"{self.tokenizer.vocab_size}, or a larger corpus", field="data.vocab_size")
+        refusal = cfg.vocab_refusal(len(text), self.tokenizer.vocab_size)  # also checked by preflight (check_corpus)
+        if refusal:
+            raise refusal
         key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
         if cfg.tokenizer == "file":
             key = f"file-{file_sha(cfg.tokenizer_file)}-{sha}"
@@ -152,11 +150,8 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         else:
             ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
         n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)
-        if len(ids) - n_val < 2 * (cfg.seq_len + 1):
-            raise ConfigError(
-                f"corpus has {len(ids)} tokens, too few for seq_len={cfg.seq_len}; allowed: a longer text or a smaller seq_len",
-                field="data.seq_len",
-            )
+        if cfg.too_few(len(ids)):
+            raise cfg.length_refusal(len(ids))
         self.train_ids, self.val_ids = ids[:-n_val], ids[-n_val:]
         if documents:
             cut = len(ids) - n_val

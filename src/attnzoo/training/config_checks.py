@@ -427,3 +427,5 @@ def preflight(cfg: DictConfig) -> None:
     check_devices_present(parts["run"].trainer)
     check_launchable(parts["run"].trainer)
     check_kernels_present(parts)
+    if hasattr(parts["data"], "check_corpus"):  # the text corpus against its tokenizer (data/configs.py)
+        parts["data"].check_corpus(run.paths.cache_dir)
