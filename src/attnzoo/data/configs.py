@@ -92,23 +92,6 @@ class TextDataConfig:
                 if self.max_chars is not None or "is empty" not in str(e):
                     raise
 
-    def vocab_refusal(self, chars: int, learned: int) -> Optional[ConfigError]:
-        """A BPE vocabulary the corpus cannot support (TextDataModule.setup, check_corpus)."""
-        if self.tokenizer == "bpe" and learned < self.vocab_size // 2:
-            return ConfigError(f"{self.vocab_size} asked for, but this corpus ({chars:,} characters) supports only "
-                               f"{learned} BPE tokens (what the tokenizer learned); allowed: <= {learned}, or a "
-                               f"larger corpus", field="data.vocab_size")
-        return None
-
-    def too_few(self, n_tokens: int) -> bool:
-        """A token stream too short for seq_len (2 training blocks + the validation tail)."""
-        n_val = max(int(n_tokens * self.val_fraction), self.seq_len + 1)
-        return n_tokens - n_val < 2 * (self.seq_len + 1)
-
-    def length_refusal(self, n_tokens: int) -> ConfigError:
-        return ConfigError(f"corpus has {n_tokens} tokens, too few for seq_len={self.seq_len}; allowed: a longer text "
-                           f"or a smaller seq_len", field="data.seq_len")
-
     SMALL_CORPUS_BYTES: ClassVar[int] = 1 << 16  # encoded in a few ms: check_corpus counts its tokens
 
     def check_corpus(self, cache_dir: str) -> None:
@@ -126,15 +109,37 @@ class TextDataConfig:
 
         text, _ = load_corpus(self.path, self.max_chars)
         tok = get_tokenizer(self.tokenizer, text, self.vocab_size, Path(cache_dir).expanduser(), text_sha(text))
-        refusal = self.vocab_refusal(len(text), tok.vocab_size)
+        refusal = vocab_refusal(self, len(text), tok.vocab_size)
         if refusal:
             raise refusal
         n_bytes = len(text.encode("utf-8"))  # >= its tokens (a character, or a byte-level BPE token, per byte at least)
-        if not (self.packing or self.pad_documents) and (self.too_few(n_bytes) or n_bytes <= self.SMALL_CORPUS_BYTES):
+        small = too_few(self, n_bytes) or n_bytes <= self.SMALL_CORPUS_BYTES
+        if small and not (self.packing or self.pad_documents):
             n = len(tok.encode_long(text) if hasattr(tok, "encode_long") else tok.encode(text))
-            if self.too_few(n):
-                raise self.length_refusal(n)
+            if too_few(self, n):
+                raise length_refusal(self, n)
 
+
+
+def vocab_refusal(cfg, chars: int, learned: int) -> Optional[ConfigError]:
+    """A BPE vocabulary the corpus cannot support (`cfg`: a TextDataConfig or its DictConfig; TextDataModule.setup
+    and TextDataConfig.check_corpus)."""
+    if cfg.tokenizer == "bpe" and learned < cfg.vocab_size // 2:
+        return ConfigError(f"{cfg.vocab_size} asked for, but this corpus ({chars:,} characters) supports only "
+                           f"{learned} BPE tokens (what the tokenizer learned); allowed: <= {learned}, or a larger "
+                           f"corpus", field="data.vocab_size")
+    return None
+
+
+def too_few(cfg, n_tokens: int) -> bool:
+    """A token stream too short for seq_len (2 training blocks + the validation tail)."""
+    n_val = max(int(n_tokens * cfg.val_fraction), cfg.seq_len + 1)
+    return n_tokens - n_val < 2 * (cfg.seq_len + 1)
+
+
+def length_refusal(cfg, n_tokens: int) -> ConfigError:
+    return ConfigError(f"corpus has {n_tokens} tokens, too few for seq_len={cfg.seq_len}; allowed: a longer text or "
+                       f"a smaller seq_len", field="data.seq_len")
 
 
 # ----------------------------------------------------------------------------- shapes

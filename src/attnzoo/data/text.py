@@ -12,7 +12,7 @@ from attnzoo.data import register_data
 from attnzoo.data.corpus import cap_notice, load_corpus, load_documents, text_sha
 from attnzoo.data.sampling import ResumableDataMixin
 from attnzoo.data.tokenizer import BPETokenizer, FileTokenizer, encode_corpus, file_sha, get_tokenizer
-from attnzoo.data.configs import TextDataConfig  # noqa: F401 (torch-free: config checks)
+from attnzoo.data.configs import TextDataConfig, length_refusal, too_few, vocab_refusal  # noqa: F401 (torch-free)
 
 
 class Blocks(Dataset):
@@ -138,7 +138,7 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
             self.tokenizer = load_tokenizer_file(cfg.tokenizer_file, cfg.vocab_size)
         else:
             self.tokenizer = get_tokenizer(cfg.tokenizer, text, cfg.vocab_size, self.cache_dir, sha)
-        refusal = cfg.vocab_refusal(len(text), self.tokenizer.vocab_size)  # also checked by preflight (check_corpus)
+        refusal = vocab_refusal(cfg, len(text), self.tokenizer.vocab_size)  # also checked by preflight (check_corpus)
         if refusal:
             raise refusal
         key = f"{cfg.tokenizer}-{cfg.vocab_size if cfg.tokenizer == 'bpe' else 0}-{sha}"
@@ -150,8 +150,8 @@ class TextDataModule(ResumableDataMixin, L.LightningDataModule):
         else:
             ids = encode_corpus(self.tokenizer, text, self.cache_dir, key)
         n_val = max(int(len(ids) * cfg.val_fraction), cfg.seq_len + 1)
-        if cfg.too_few(len(ids)):
-            raise cfg.length_refusal(len(ids))
+        if too_few(cfg, len(ids)):
+            raise length_refusal(cfg, len(ids))
         self.train_ids, self.val_ids = ids[:-n_val], ids[-n_val:]
         if documents:
             cut = len(ids) - n_val
