@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from attnzoo.api import load_config
-from attnzoo.data import build_datamodule
-from attnzoo.training.lit_lm import LitLM
+# the data modules and LitLM (Lightning) are imported where a run uses them: `attnzoo-bench mup_coord --help` and its
+# refusals cost torch's import only
 
 HELP = "µP coordinate check: activation and update sizes vs width for the first steps, standard vs mup (PNG + JSON)"
 QUICK = {"widths": [32, 64], "steps": 2, "seeds": 1, "seq_len": 32, "batch_size": 4}
@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
 def run_once(container: dict, vocab_size: int, batches: list, seed: int) -> dict:
     """One model trained len(batches) - 1 steps; the sizes on batches[0] before each step and after the last."""
     torch.manual_seed(seed)
+    from attnzoo.training.lit_lm import LitLM
+
     lit = LitLM(container, vocab_size=vocab_size)
     model = lit.model.train()
     conf = lit.configure_optimizers()
@@ -99,6 +101,8 @@ def coord_check(widths: list[int], *, steps: int = 10, seeds: int = 3, lr: float
     base = base_width or widths[0]
     cfg = load_config([*overrides, "scheduler=constant", "scheduler.warmup_steps=1", f"optim.lr={lr}",
                        f"data.seq_len={seq_len}", f"data.batch_size={batch_size}", "trainer.gradient_clip_val=null"])
+    from attnzoo.data import build_datamodule
+
     dm = build_datamodule(cfg.data, cache_dir=cfg.paths.cache_dir, seed=cfg.seed)
     dm.setup("fit")
     loader = iter(dm.train_dataloader())

@@ -169,10 +169,11 @@ def bare_run(overrides: list[str], steps: int) -> dict:
 
 
 def run(args) -> dict:
-    from attnzoo.models.flops import measure_matmul_peak, peak_flops, precision_dtype
-
     if args.quick:
         quick(args)
+    compose(base_overrides(args, args.precisions[0], Path(tempfile.gettempdir())))  # refused before any work
+    from attnzoo.models.flops import measure_matmul_peak, peak_flops, precision_dtype
+
     rows, notes = [], []
     device = "cuda" if any(o in ("trainer=gpu", "trainer=ddp") for o in args.overrides) else "cpu"
     with tempfile.TemporaryDirectory(prefix="attnzoo-bench-train-") as tmp:
