@@ -326,3 +326,18 @@ def test_full_disk_and_a_second_prepare_are_one_line(tmp_path, capsys, monkeypat
                     f"allowed: wait for it to finish (a rerun then finds it prepared), or another OUT"), line
     main(args)  # the rerun completes it
     assert read_manifest(out)["splits"]["train"]["documents"] > 0 and not (out / ".work").exists()
+
+
+def test_a_hub_source_that_cannot_be_reached_is_one_line_before_any_work(tmp_path):
+    """`attnzoo-data prepare hf:NAME OUT` without the network (issue 43: a ConnectionError traceback after ~24 s of
+    retries): the source is opened before OUT is made, and refused in one line naming SRC. HF_HUB_OFFLINE makes
+    the offline case certain on a machine that has a network (datasets reads it at import: a process of its own)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-c", "from attnzoo.cli.data import main; main()", "prepare",
+                        "hf:attnzoo-no-such/dataset", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("attnzoo-data: error: SRC: hf:attnzoo-no-such/dataset cannot be opened from the Hugging "
+                               "Face hub (") and "allowed: a hub dataset" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

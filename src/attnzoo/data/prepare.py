@@ -160,6 +160,13 @@ def resolve_source(src: str, o: PrepareOptions) -> tuple[dict, list[dict]]:
         name = src[3:]
         fp = hashlib.sha256(f"hub:{name}:{o.split}".encode()).hexdigest()
         unit = {"kind": "hub", "path": name, "split": o.split, "rel": "", "start": 0, "end": 0, "bytes": 0}
+        try:  # reachable (or in the local cache offline) before any work: a missing one is one line, not a traceback
+            open_dataset(unit)
+        except Exception as e:  # noqa: BLE001 - datasets / huggingface_hub raise many types (ConnectionError, ...)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"{src} cannot be opened from the Hugging Face hub ({why}); allowed: a hub dataset this "
+                              f"machine reaches (or has in its datasets cache, with HF_HUB_OFFLINE=1), or a local "
+                              f"copy: {ALLOWED_SRC.replace(', or hf:NAME', '')}", field="SRC") from None
         return {"path": src, "fingerprint": fp, "files": 0, "text_field": o.text_field}, [unit]
     path = Path(src).expanduser().absolute()
     if not path.exists():
