@@ -341,3 +341,26 @@ def test_a_hub_source_that_cannot_be_reached_is_one_line_before_any_work(tmp_pat
     assert lines[0].startswith("attnzoo-data: error: SRC: hf:attnzoo-no-such/dataset cannot be opened from the Hugging "
                                "Face hub (") and "allowed: a hub dataset" in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_info_refuses_a_folder_data_shards_refuses(tmp_path, capsys):
+    """`attnzoo-data info OUT` checks a prepared folder as `data=shards` does (issue 43 item 2: info described a folder
+    without tokenizer.json that training then refused): each missing part is the same one line, naming OUT."""
+    from attnzoo.data.configs import read_manifest as read_prepared_folder
+
+    out = tmp_path / "out"
+    (tmp_path / "src.txt").write_text("hello world\n\n" * 200)
+    prepare(str(tmp_path / "src.txt"), out, tokenizer="bpe", vocab_size=300, progress=False)
+    main(["info", str(out)])
+    assert "tokenizer" in capsys.readouterr().out
+    for part in ("tokenizer.json", "train/index.json"):
+        (out / part).rename(out / (part.replace("/", "_") + ".gone"))
+        with pytest.raises(SystemExit) as e:
+            main(["info", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err == f"attnzoo-data: error: OUT: {out} has no {part}; allowed: a folder written by " \
+            f"`attnzoo-data prepare SRC OUT`", err
+        with pytest.raises(Exception) as shards:
+            read_prepared_folder(str(out))
+        assert str(shards.value) == f"data.path: {err.split('OUT: ', 1)[1]}"
+        (out / (part.replace("/", "_") + ".gone")).rename(out / part)

@@ -7,7 +7,8 @@ import sys
 from typing import Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.data.prepare import PrepareOptions, describe, prepare, read_manifest
+from attnzoo.data.configs import read_manifest as read_prepared_folder
+from attnzoo.data.prepare import PrepareOptions, describe, prepare
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> None:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "info":
-            print(describe(read_manifest(args.out)))
+        if args.command == "info":  # checked as data=shards checks it: the manifest, tokenizer.json, both splits
+            print(describe(read_prepared_folder(args.out, field="OUT")))
             return
         kind = args.tokenizer or ("file" if args.tokenizer_file else "model" if args.tokenizer_model else "bpe")
         opts = {k: v for k, v in vars(args).items() if k not in ("command", "src", "out", "quiet")}
