@@ -416,3 +416,26 @@ def test_init_from_on_shards_needs_the_models_tokenizer(corpus, tmp_path):
     assert json.loads((tmp_path / "ok" / "summary.json").read_text())["status"] == "ok"
     other = text_corpus(tmp_path / "other", n_files=10, vocab_size=320)
     _refused(common + [f"data.path={other}"], tmp_path, "data.path", "prepared with another tokenizer")
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line_naming_the_folder(tmp_path):
+    """A prepared folder whose chunks hold ids its manifest's vocabulary does not (a corrupt chunk, or one another
+    tokenizer wrote; issue 43 item 2: an IndexError in the embedding): the training and validation loaders check
+    each batch in the training process and refuse in one line naming data.path, through train() too."""
+    from attnzoo.data.tokenizer import BPETokenizer
+    from tests.shards_fixture import write_prepared
+
+    rng = np.random.default_rng(0)
+    docs = [np.array(list(rng.integers(1, 40, 50)) + [999, 0], dtype=np.uint16) for _ in range(40)]
+    stub = BPETokenizer.train("abc abd", 260).tok.to_str()
+    out = write_prepared(tmp_path / "bad", docs[4:], docs[:4], stub, 0, 300, chunk_size=400)
+    dm = module(out, seq_len=15, batch_size=2, num_workers=2)
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        with pytest.raises(ConfigError) as e:
+            for _ in loader:
+                pass
+        assert str(e.value) == (f"data.path: {dm.root} holds token id 999, outside the model's vocabulary of 300 ids "
+                                f"(a corrupt chunk, or one another tokenizer wrote); allowed: a folder attnzoo-data "
+                                f"prepare wrote (prepare it again)")
+    with pytest.raises(ConfigError, match=r"^data.path: .* holds token id 999, outside the model's vocabulary"):
+        train(compose_cfg([*base(out), "trainer.max_steps=2"], tmp_path / "run"))

@@ -25,7 +25,33 @@ def data_parallel_env(dataset: StreamingDataset) -> _DistributedEnv:
     return _DistributedEnv(world_size=world, global_rank=rank, num_nodes=1)
 
 
-class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
+class CheckedIds:
+    """A loader whose batches' token ids are checked against the model's vocabulary in the training process (a
+    corrupt or foreign chunk otherwise ends in an IndexError deep in the embedding, or a device assert on a GPU;
+    issue 43 item 2): one ConfigError naming data.path. A max over a CPU batch, before it reaches the device."""
+
+    vocab_size: int = 0
+    root: str = ""
+
+    def checked(self, batches: Iterator) -> Iterator:
+        for batch in batches:
+            ids = batch[0] if isinstance(batch, (tuple, list)) else batch
+            top = max(int(ids.max()), int(batch[1].max())) if isinstance(batch, (tuple, list)) else int(ids.max())
+            if self.vocab_size and top >= self.vocab_size:
+                from attnzoo.config.errors import ConfigError
+
+                raise ConfigError(f"{self.root} holds token id {top}, outside the model's vocabulary of "
+                                  f"{self.vocab_size} ids (a corrupt chunk, or one another tokenizer wrote); allowed: "
+                                  f"a folder attnzoo-data prepare wrote (prepare it again)", field="data.path")
+            yield batch
+
+
+class ValLoader(CheckedIds, StreamingDataLoader):
+    def __iter__(self) -> Iterator:
+        yield from self.checked(super().__iter__())
+
+
+class ShardsLoader(CheckedIds, StreamingDataLoader, ResumableDataLoader):
     """litdata's StreamingDataLoader, stateful for Lightning at the consumed position: `position` (epoch, batches
     done in it) is set by DataPositionCallback after every training batch (as for data=text's
     ResumableDataLoader), and `state_dict` is litdata's state after exactly those batches. litdata hands out
@@ -39,7 +65,7 @@ class ShardsLoader(StreamingDataLoader, ResumableDataLoader):
         if not self._resuming:
             self.restore = False
         self._resuming = False
-        yield from super().__iter__()
+        yield from self.checked(super().__iter__())
 
     def state_dict(self) -> dict[str, Any]:
         if self.position is None:

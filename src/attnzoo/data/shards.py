@@ -188,6 +188,7 @@ class ShardsDataModule(L.LightningDataModule):
         self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
                                          num_workers=self.cfg.num_workers, collate_fn=self._collate(),
                                          worker_init_fn=end_with_the_rank)
+        self.train_loader.vocab_size, self.train_loader.root = self.vocab_size, str(self.root)
         if len(self.train_loader) == 0:
             raise ConfigError(f"{self.root}'s train split gives no batch of {self.cfg.batch_size} per rank and "
                               f"loader worker; allowed: fewer data.num_workers, a smaller data.batch_size / seq_len",
@@ -196,11 +197,12 @@ class ShardsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> StreamingDataLoader:
         """In order, shared over ranks (the LightningModule reduces the metrics exactly)."""
-        from litdata import StreamingDataLoader
+        from attnzoo.data._shards_loader import ValLoader
 
-        return StreamingDataLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
-                                   num_workers=self.cfg.num_workers, collate_fn=self._collate(),
-                                   worker_init_fn=end_with_the_rank)
+        loader = ValLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
+                           num_workers=self.cfg.num_workers, collate_fn=self._collate(), worker_init_fn=end_with_the_rank)
+        loader.vocab_size, loader.root = self.vocab_size, str(self.root)
+        return loader
 
     def tokens_seen(self) -> Optional[int]:
         """Training tokens the loaders have delivered to the training step so far, all data-parallel ranks
