@@ -134,7 +134,7 @@ def test_a_resumed_runs_bar_starts_at_its_step(tmp_path, capsys):
 
     base = ["debug=smoke", "data=mqar", "data.train_size=12", "data.val_size=8", "data.num_kv_pairs=2",
             "trainer.enable_progress_bar=true", "perf.measure_decode=false", "sample.max_new_tokens=0",
-            "callbacks.checkpoint_every_n_steps=2"]
+            "callbacks.checkpoint_every_n_steps=2", "scheduler=constant"]  # extended 4 -> 8: a length-free schedule
     train(compose_cfg(base + ["trainer.max_steps=4"], tmp_path / "run"))
     capsys.readouterr()
     train(compose_cfg(base + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "run"))

@@ -41,11 +41,13 @@ ONE, TWO, FOUR = ["data.batch_size=8"], ["trainer=fsdp_cpu", "data.batch_size=4"
     ["trainer=fsdp_cpu", "trainer.devices=4", "data.batch_size=2"]
 
 
-def losses(run_dir: Path) -> torch.Tensor:
+def losses(run_dir: Path, column: str = "train/loss") -> torch.Tensor:
+    """The column's values by step: train/loss at steps 0..7, or val/loss at its validations (steps 3 and 7, and
+    the final one)."""
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        rows = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
-    assert sorted(rows) == list(range(8)), sorted(rows)
-    return torch.tensor([rows[s] for s in range(8)], dtype=torch.float64)
+        rows = {int(r["step"]): float(r[column]) for r in csv.DictReader(f) if r.get(column)}
+    assert sorted(rows) == (list(range(8)) if column == "train/loss" else [3, 7, 8]), sorted(rows)
+    return torch.tensor([rows[s] for s in sorted(rows)], dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,18 @@ def one_process(tmp_path_factory):
     train(compose_cfg(BASE + ONE + ["trainer.max_steps=8"], root / "fp32"))
     train(compose_cfg(BASE + ONE + ["trainer.max_steps=8", "trainer.precision=64-true"], root / "fp64"))
     out32, out64 = losses(root / "fp32"), losses(root / "fp64")
-    return out32, gap_atol(out32, out64)
+    val32, val64 = losses(root / "fp32", "val/loss"), losses(root / "fp64", "val/loss")
+    return Reference((out32, gap_atol(out32, out64)), val=(val32, gap_atol(val32, val64)))
+
+
+class Reference(tuple):
+    """(train losses, their tolerance), and in `.val` the same for val/loss: every world size validates on the
+    one process's set (docs/reliability.md)."""
+
+    def __new__(cls, pair, val):
+        self = super().__new__(cls, pair)
+        self.val = val
+        return self
 
 
 # ----------------------------------------------------------------------------- model level, float64
@@ -98,6 +111,9 @@ def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process, m
     torch.testing.assert_close(fsdp, ref, atol=atol, rtol=0)
     torch.testing.assert_close(ddp, ref, atol=atol, rtol=0)
     torch.testing.assert_close(fsdp, ddp, atol=atol, rtol=0)
+    val_ref, val_atol = one_process.val
+    for run in ("fsdp", "ddp"):  # each validation the one process's set: the same val/loss
+        torch.testing.assert_close(losses(tmp_path / run, "val/loss"), val_ref, atol=val_atol, rtol=0)
     ckpt = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
     assert ckpt.is_symlink() and is_sharded_checkpoint(ckpt)
     assert {p.name for p in ckpt.resolve().iterdir()} >= {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}

@@ -7,6 +7,7 @@ import re
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def test_checkpoint_round_trip_restores_every_generator(tmp_path):
 
     _draw_from_every_generator()
     ckpt: dict = {}
-    TrainingModule.on_save_checkpoint(None, ckpt)
+    outside_a_run = SimpleNamespace(_trainer=None, schedule_record=lambda steps: {"steps": steps})
+    TrainingModule.on_save_checkpoint(outside_a_run, ckpt)
     at_save = _generator_states()
     torch.save(ckpt, tmp_path / "c.pt")
     for _ in range(3):
@@ -180,6 +182,24 @@ def test_resume_under_another_model_config_is_refused_and_touches_nothing(tmp_pa
         assert "\n" not in str(e.value)
     assert (run / "csv" / "metrics.csv").read_bytes() == before
     assert not (run / LOCK_NAME).exists()  # released after the refusal
+
+
+def test_extending_a_run_is_exact_or_refused(tmp_path):
+    """A finished run resumed with a larger trainer.max_steps: on a schedule that does not depend on the length
+    (constant: test_stop_and_resume_equals_uninterrupted) it equals the longer run; on cosine, whose decay the new
+    length would stretch over the steps already taken, it is refused in one line before anything is written, while
+    its own length still resumes (a finished run rerun changes nothing)."""
+    run, cosine = tmp_path / "r", [*BASE, "scheduler=cosine", "scheduler.warmup_steps=2"]
+    first = train(compose_cfg(cosine + ["trainer.max_steps=4"], run))
+    before = (run / "csv" / "metrics.csv").read_bytes()
+    with pytest.raises(ConfigError, match=r"^trainer\.max_steps: .*last\.ckpt took its 4 steps on the cosine schedule "
+                                          r"of a 4-step run; this run's schedule \(cosine, 8 steps\) gives those steps "
+                                          r"other learning rates.*allowed: the checkpoint's trainer\.max_steps=4") as e:
+        train(compose_cfg(cosine + ["trainer.max_steps=8", "ckpt_path=last"], run))
+    assert "\n" not in str(e.value) and (run / "csv" / "metrics.csv").read_bytes() == before
+    with pytest.raises(ConfigError, match=r"^trainer\.max_steps: .*this run's schedule \(constant, 8 steps\)"):
+        train(compose_cfg(BASE + ["trainer.max_steps=8", "ckpt_path=last"], run))  # a schedule changed mid-run
+    assert train(compose_cfg(cosine + ["trainer.max_steps=4", "ckpt_path=last"], run))["val/loss"] == first["val/loss"]
 
 
 def test_resume_argv_recomposes_the_runs_own_overrides(tmp_path):

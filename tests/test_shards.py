@@ -111,6 +111,35 @@ def test_every_block_exactly_once_on_two_ranks_times_two_workers(numbered, monke
     assert [tuple(r.tolist()) for x, _ in other.train_dataloader() for r in x] != [o[:-1] for o in orders[0]]
 
 
+def test_validation_scores_the_same_blocks_on_one_and_on_n_ranks(numbered, monkeypatch):
+    """Validation on N ranks scores every block of the one-process validation exactly once (the metrics are summed
+    over ranks at the end), for data=shards (litdata's split without its drop_last tail) and for the map-style
+    loaders of data=text / mqar / ... (ResumableShuffleSampler in order): 1 and N ranks report the same val/loss.
+    With fewer blocks than ranks x batch, shares stay equal (a rank without a batch would skip the sum)."""
+    def blocks(loader):
+        return [tuple(r.tolist()) + (int(yb[i, -1]),) for x, yb in loader for i, r in enumerate(x)]
+
+    one = blocks(module(numbered).val_dataloader())
+    for world in (2, 3):
+        seen = [b for rank in range(world) for b in blocks(module(numbered, rank, world, monkeypatch).val_dataloader())]
+        assert sorted(seen) == sorted(one), (world, len(one))
+    assert len(one) % 3  # on 3 ranks, a tail that an equal split would have dropped
+    from attnzoo.data import sampling
+
+    for n in range(1, 12):
+        for world in (1, 2, 3, 4):
+            shares = []
+            for rank in range(world):
+                monkeypatch.setattr(sampling, "_rank_world", lambda r=rank, w=world: (r, w))
+                sampler = sampling.ResumableShuffleSampler(n, 0, 2, shuffle=False)
+                shares.append(list(sampler))
+                assert len(sampler) == len(shares[-1])
+            if n >= world:
+                assert sorted(i for share in shares for i in share) == list(range(n)), (n, world)
+            else:
+                assert {len(share) for share in shares} == {0}, (n, world)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, workers):
     """The state saved after k consumed batches (whatever litdata and Lightning fetched ahead) gives a fresh

@@ -79,3 +79,25 @@ def spent_in(ckpt: dict | None, per_step: int, per_token: float) -> Spent:
         return Spent(int(state["steps"]), int(state["tokens"]), float(state["flops"]))
     step = int(ckpt.get("global_step", 0))
     return Spent(step, step * per_step, step * per_step * per_token)
+
+
+def check_schedule_continues(lit, ckpt: dict | None, ckpt_path: str | None) -> None:
+    """A resume (say, a finished run extended with a larger trainer.max_steps) must give the steps its checkpoint
+    already took the learning rates they were taken with, or the run is not the longer run it claims to be: a
+    cosine schedule stretched to the new length raises the rate of every step already taken. Refused in one line,
+    before anything is written. Checkpoints written before the record was kept are not checked."""
+    record = (ckpt or {}).get("lr_schedule")
+    if not record or not hasattr(lit, "schedule_record"):
+        return
+    from attnzoo.config.errors import ConfigError
+
+    mine = lit.schedule_record(int(record["steps"]))
+    if mine["digest"] == record["digest"]:
+        return
+    raise ConfigError(
+        f"{ckpt_path} took its {record['steps']} steps on the {record['scheduler']} schedule of a "
+        f"{record['max_steps']}-step run; this run's schedule ({mine['scheduler']}, {mine['max_steps']} steps) gives "
+        f"those steps other learning rates, so it would not equal a {mine['max_steps']}-step run; allowed: the "
+        f"checkpoint's trainer.max_steps={record['max_steps']} and scheduler (or a new run of the longer length; a "
+        f"schedule that does not depend on the length, scheduler=constant or noam, extends exactly)",
+        field="trainer.max_steps")

@@ -87,6 +87,18 @@ def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
     return {"cosine": cosine, "noam": noam, "constant": constant}[sched.name]
 
 
+def schedule_digest(multiplier, steps: int) -> str:
+    """A fingerprint of the learning-rate multipliers of optimizer steps 0..steps-1 (their exact float64 values): a
+    resumed run's schedule continues the checkpoint's exactly iff its own steps before the checkpoint hash alike."""
+    import hashlib
+    import struct
+
+    h = hashlib.sha256()
+    for s in range(steps):
+        h.update(struct.pack("<d", float(multiplier(s))))
+    return h.hexdigest()
+
+
 def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
     """The paper's formula, lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (1-based)."""
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
@@ -222,6 +234,13 @@ class TrainingModule(L.LightningModule):
         """The random generators go into every checkpoint (Lightning keeps none): dropout masks, MLM masking
         and anything else drawing from the global generators continue after a resume as without it."""
         checkpoint["rng_states"] = rng_states()
+        checkpoint["lr_schedule"] = self.schedule_record(int(self.trainer.global_step) if self._trainer else 0)
+
+    def schedule_record(self, steps: int) -> dict:
+        """What the learning rates of the steps taken so far were (a resume whose schedule gives those steps other
+        rates is refused: training/build.check_schedule_continues)."""
+        return {"steps": steps, "max_steps": int(self.max_steps), "scheduler": self.sched_cfg.name,
+                "digest": schedule_digest(self.lr_multiplier(), steps)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng_states" in checkpoint:  # checkpoints written before the states were saved: seeded state kept
