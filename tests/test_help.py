@@ -39,6 +39,30 @@ def test_help_of_every_argparse_script_and_subcommand(script, capsys):
         assert out.startswith("usage: "), (script, command, out[:200])
 
 
+def test_bench_subcommand_help_from_source_is_the_modules():
+    """`attnzoo-bench SUB --help` builds SUB's options from its source without importing it (no torch:
+    bench/cli.arguments_from_source); every subcommand's help text equals the one its imported module gives, and
+    a function the literal constants cannot run (a name from an import) falls back to the import."""
+    import argparse
+
+    from attnzoo.bench import cli
+
+    for name, mod in sorted(subcommands().items()):
+        built = cli.arguments_from_source(name)
+        assert built is not None, name  # every subcommand answers --help without torch today
+        texts = []
+        for add in (built[0], mod.add_arguments):
+            p = argparse.ArgumentParser(prog=f"attnzoo-bench {name}")
+            add(p)
+            texts.append(p.format_help())
+        assert texts[0] == texts[1], name
+        assert built[1] == getattr(mod, "QUICK", None), name
+    source = "X = [1]\nY = object()\ndef add_arguments(p):\n    p.add_argument('--y', default=Y)\n"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cli.Path, "read_text", lambda self: source)
+        assert cli.arguments_from_source("anything") is None
+
+
 @pytest.mark.parametrize("script", ["train", "sweep"])
 def test_help_of_the_hydra_scripts(script):
     r = subprocess.run([sys.executable, "-m", f"attnzoo.cli.{script}", "--help"], capture_output=True, text=True,

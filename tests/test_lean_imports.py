@@ -188,7 +188,7 @@ for main, argv, start in cases:
     refused.append(code == 2 and len(lines) == 1 and lines[0].startswith(start) or [argv, code, lines])
 for main, argv in [(generate_main, ["--help"]), (eval_main, ["--help"]), (ckpt.main, ["--help"]),
                    (export.main, ["--help"]), (data.main, ["prepare", "--help"]), (bench, ["--help"]),
-                   (lm_eval, ["--help"])]:
+                   (bench, ["decode", "--help"]), (bench, ["train", "--help"]), (lm_eval, ["--help"])]:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
             main(argv)
@@ -209,4 +209,4 @@ def test_every_console_script_refuses_and_helps_without_torch(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"refused": [True] * 21, "torch": False, "lightning": False}, got
+    assert got == {"refused": [True] * 23, "torch": False, "lightning": False}, got

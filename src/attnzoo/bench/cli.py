@@ -43,6 +43,35 @@ def help_of(name: str) -> str:
     return getattr(importlib.import_module(f"attnzoo.bench.{name}"), "HELP", "")
 
 
+def arguments_from_source(name: str) -> tuple | None:
+    """A subcommand module's `add_arguments` and QUICK, built from its source without importing it (and torch):
+    the function is compiled alone, in a namespace of the module's literal constants. None where the function
+    needs more than that (the caller imports the module). `attnzoo-bench SUB --help` answers in Python's start
+    time; tests/test_lean_imports.py checks every subcommand's help equals the imported module's."""
+    import ast
+
+    tree = ast.parse(Path(__file__).with_name(f"{name}.py").read_text())
+    ns: dict = {"__name__": f"attnzoo.bench.{name}", "Path": Path, "argparse": argparse}
+    func = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            ns.update({t.id: value for t in node.targets})
+        elif isinstance(node, ast.FunctionDef) and node.name == "add_arguments":
+            func = node
+    if func is None:
+        return None
+    exec(compile(ast.Module(body=[func], type_ignores=[]), f"attnzoo/bench/{name}.py", "exec"), ns)  # noqa: S102
+    try:
+        ns["add_arguments"](argparse.ArgumentParser())  # a name the constants do not give: import the module
+    except Exception:  # noqa: BLE001
+        return None
+    return ns["add_arguments"], ns.get("QUICK")
+
+
 def markdown_table(columns: list[str], rows: list[dict]) -> str:
     def fmt(v):
         if isinstance(v, float):
@@ -99,6 +128,30 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (>= 1)")
 
 
+def build_parser(argv: list[str], cmd: str | None, names: list[str]) -> tuple[argparse.ArgumentParser, dict]:
+    """The whole command line: every subcommand listed, the one asked for with its options. For `SUB --help` the
+    options come from the module's source (arguments_from_source: no torch); to run, from the imported module."""
+    helping = bool({"-h", "--help"} & set(argv))
+    built = arguments_from_source(cmd) if cmd and helping else None
+    mods = {cmd: importlib.import_module(f"attnzoo.bench.{cmd}")} if cmd and built is None else {}
+    parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
+    _common_options(parser)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in names:
+        mod = mods.get(name)
+        p = sub.add_parser(name, help=getattr(mod, "HELP", "") if mod else help_of(name))
+        if name != cmd:  # not the one asked for: named in the listing only
+            continue
+        add_arguments, quick = built if built is not None else (mod.add_arguments, getattr(mod, "QUICK", None))
+        add_arguments(p)
+        if quick is not None:  # modules without their own --quick: a dict of tiny argument values
+            p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds): " +
+                           " ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items()))
+            if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
+                p.set_defaults(**quick)
+    return parser, mods
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     names = subcommand_names()
@@ -113,21 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             check_common(first)
         except ConfigError as e:
             pre.exit(2, f"attnzoo-bench {first.cmd}: error: {str(e).splitlines()[0]}\n")
-    mods = {first.cmd: importlib.import_module(f"attnzoo.bench.{first.cmd}")} if first.cmd in names else {}
-    parser = argparse.ArgumentParser(prog="attnzoo-bench", description=__doc__)
-    _common_options(parser)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in names:
-        mod = mods.get(name)
-        p = sub.add_parser(name, help=getattr(mod, "HELP", "") if mod else help_of(name))
-        if mod is None:  # not the one asked for: named in the listing only
-            continue
-        mod.add_arguments(p)
-        if hasattr(mod, "QUICK"):  # modules without their own --quick: a dict of tiny argument values
-            p.add_argument("--quick", action="store_true", help="tiny sizes for tests (seconds): " +
-                           " ".join(f"--{k.replace('_', '-')} {v}" for k, v in mod.QUICK.items()))
-            if "--quick" in argv:  # the tiny sizes become the defaults; flags given explicitly still win
-                p.set_defaults(**mod.QUICK)
+    parser, mods = build_parser(argv, first.cmd if first.cmd in names else None, names)
     args = parser.parse_args(argv)
     args.argv = argv  # for a mode that writes its results as they come (gpu_check), with the command in them
     from attnzoo.config.errors import ConfigError

@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--hidden", type=int, default=128, help="expert hidden size (SwiGLU)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per call (batch x seq)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per measurement")
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds; the best round counts (noisy hosts)")
@@ -39,6 +39,7 @@ def _fwd_bwd_tokens_per_sec(module, x, grad, *, min_time, device) -> float:
 
 
 def run(args) -> dict:
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     d, h = args.d_model, args.hidden
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-chars", type=int, default=2_000_000, help="corpus characters (the default corpus)")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--cache-dir", default="~/.cache/attnzoo")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--compile", action="store_true", help="the model under torch.compile (compile=true), every layout")
 
 
@@ -97,6 +97,7 @@ def _interleaved(runs: dict, device) -> dict:
 
 
 def run(args) -> dict:
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(args.device)
     rows = []
     for seq_len in args.seq_len:

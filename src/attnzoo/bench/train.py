@@ -18,9 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
+# torch is imported where the work starts: `attnzoo-bench train --mixer nope` is refused in Python's start time
 HELP = "training-step tokens/s: full attnzoo path (Lightning) vs a bare PyTorch loop, and MFU vs measured matmul peak"
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -94,6 +92,8 @@ def throughput_window(steps: int):
 @contextlib.contextmanager
 def fused_adamw():
     """torch.optim.AdamW with fused=True (one multi-tensor kernel, CPU and CUDA) wherever it is built."""
+    import torch
+
     original = torch.optim.AdamW
 
     class FusedAdamW(original):
@@ -118,6 +118,8 @@ def attnzoo_run(overrides: list[str], steps: int) -> dict:
 def bare_run(overrides: list[str], steps: int) -> dict:
     """The same model, data and optimizer as `train()` builds, stepped in a plain loop."""
     import lightning as L
+    import torch
+    import torch.nn.functional as F
 
     from omegaconf import OmegaConf
 
@@ -172,6 +174,8 @@ def run(args) -> dict:
     if args.quick:
         quick(args)
     compose(base_overrides(args, args.precisions[0], Path(tempfile.gettempdir())))  # refused before any work
+    import torch
+
     from attnzoo.models.flops import measure_matmul_peak, peak_flops, precision_dtype
 
     rows, notes = [], []
