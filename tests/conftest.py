@@ -98,6 +98,55 @@ def gap_atol(out32, out64, factor: float = FP32_FACTOR) -> float:
     return factor * max(gap, torch.finfo(torch.float32).eps * size)
 
 
+def projected_grads(outputs, leaves: dict, seed: int = 7) -> dict:
+    """The gradients w.r.t. each of `leaves` ({name: tensor requiring grad}) of a fixed random projection of
+    `outputs` (tensors, None skipped): sum_i <W_i, outputs[i]>, W_i ~ N(0, 1) of outputs[i]'s shape drawn in fp64
+    from seed + i and cast to its dtype - the same loss for two implementations (outputs in one layout) and for
+    both dtypes of one. Every leaf must reach the loss: one a form ignores or detaches fails here, by name."""
+    import torch
+
+    outs = [o for o in outputs if o is not None]
+    loss = sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + i), dtype=torch.float64)
+                .to(o.dtype)).sum() for i, o in enumerate(outs))
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
+    unused = [name for name, g in grads.items() if g is None]
+    assert not unused, f"no gradient reaches {unused}: the outputs do not depend on them through autograd"
+    return grads
+
+
+def outputs_and_grads(fn, tensors: dict, dtype=None, seed: int = 7) -> tuple:
+    """`fn(**leaves)` -> (its outputs, detached, as a tuple; their `projected_grads` w.r.t. the leaves by name). The
+    leaves are fresh copies of `tensors` ({name: tensor}), cast to `dtype` where given. `fn` returns its outputs
+    (a tensor or a tuple) in one layout for every implementation compared, a reference's transposed to ours."""
+    leaves = {n: t.detach().to(dtype or t.dtype).clone().requires_grad_() for n, t in tensors.items()}
+    outs = fn(**leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return tuple(None if o is None else o.detach() for o in outs), projected_grads(outs, leaves, seed)
+
+
+def module_outputs_and_grads(module, forward, x, seed: int = 7) -> tuple:
+    """`forward(module, x)` on a fresh leaf copy of x -> (the output, detached; its `projected_grads` w.r.t. x
+    (named "x") and every parameter of `module`, by its name in the module)."""
+    x = x.detach().clone().requires_grad_()
+    out = forward(module, x)
+    return out.detach(), projected_grads([out], {"x": x, **dict(module.named_parameters())}, seed)
+
+
+def assert_grads_close(ours: dict, ref: dict, ours64: dict | None = None, what: str = "") -> None:
+    """`projected_grads` of ours and of a reference, name by name (the same names): every reference gradient
+    carries signal (not all zero), and ours matches it - within gap_atol(ours, ours64) of that gradient where the
+    reference computes in fp32 (`ours` then fp32, `ours64` the same computation in fp64), within 1e-10 where
+    `ours64` is None (both sides in fp64)."""
+    import torch
+
+    assert sorted(ours) == sorted(ref), (sorted(ours), sorted(ref))
+    for name, expected in ref.items():
+        assert expected.abs().max() > 0, f"{what} d/d{name}: the reference gradient is all zero"
+        atol = 1e-10 if ours64 is None else gap_atol(ours[name], ours64[name])
+        torch.testing.assert_close(ours[name].double(), expected.double(), atol=atol, rtol=0,
+                                   msg=lambda m, name=name: f"{what} d/d{name}: {m}")
+
+
 def assert_learns(run_dir, *, falls: bool = True, below_uniform: bool = True) -> None:
     """Value checks for a short end-to-end run instead of "the loss is finite": the validation loss (read from the
     run's metrics.csv) falls from its first evaluation to its last (`falls`, needs two evaluations) and ends below

@@ -1,6 +1,7 @@
 """The delta-rule and linear-attention ops (ops/delta_rule.py, ops/linear_attention.py): chunkwise form ==
 per-token recurrence (outputs, final state, gradients), an fp64 oracle, state carrying, strong decay, and
-parity with transformers' Qwen3-Next torch references and fla-core's naive.py references.
+parity with transformers' Qwen3-Next torch references and fla-core's naive.py references (outputs, final states and
+the gradients w.r.t. every input, conftest.projected_grads).
 
 Tolerances (conftest.gap_atol): comparisons of two of our forms run in fp64 (1e-10); the fp32 tests and the
 references that compute in fp32 internally (transformers, fla) use FP32_FACTOR x the same computation's own
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from attnzoo.ops.delta_rule import chunk_delta_rule, decay_exp, delta_rule_recurrent, delta_rule_step, solve_unit_lower
 from attnzoo.ops.linear_attention import chunk_linear_attention, linear_attention_recurrent, linear_attention_step
-from tests.conftest import gap_atol
+from tests.conftest import assert_grads_close, gap_atol, outputs_and_grads
 
 F64 = dict(atol=1e-10, rtol=0)  # two forms of the same computation, both in fp64
 
@@ -199,7 +200,8 @@ def _hf(name):
 @pytest.mark.parametrize("form", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
 @pytest.mark.parametrize("group", [1, 2], ids=["H4", "Hk2-Hv4"])
 def test_parity_transformers_qwen3_next(form, group):
-    """transformers' references take (B, T, H, D) and L2-normalise q/k themselves (use_qk_l2norm_in_kernel)."""
+    """transformers' references take (B, T, H, D) and L2-normalise q/k themselves (use_qk_l2norm_in_kernel): the
+    outputs, the final state and the gradients w.r.t. q, k (before the norm), v, beta, g and the initial state."""
     fn = _hf(form)
     B, Hk, T, D = 2, 4 // group, 70, 16
     gen = torch.Generator().manual_seed(0)
@@ -207,16 +209,25 @@ def test_parity_transformers_qwen3_next(form, group):
     v = torch.randn(B, T, 4, D, generator=gen)
     beta, g = torch.rand(B, T, 4, generator=gen), F.logsigmoid(torch.randn(B, T, 4, generator=gen))
     s0 = torch.randn(B, 4, D, D, generator=gen)
-    o_hf, s_hf = fn(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    x = dict(q=q, k=k, v=v, beta=beta, g=g, s0=s0)
 
-    l2 = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731  (their l2norm)
-    qh = l2(q).repeat_interleave(group, 2).transpose(1, 2)
-    kh = l2(k).repeat_interleave(group, 2).transpose(1, 2)
-    args = (qh, kh, v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), s0)
-    (o, s), (o64, s64) = (chunk_delta_rule(*(x.to(dt) for x in args)) for dt in (torch.float32, torch.float64))
-    # transformers computes in fp32 internally: FP32_FACTOR x our own fp32-vs-fp64 gap
-    torch.testing.assert_close(o.transpose(1, 2), o_hf, atol=gap_atol(o, o64), rtol=0)
+    def theirs(q, k, v, beta, g, s0):
+        return fn(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def ours(q, k, v, beta, g, s0):
+        l2 = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731  (their l2norm)
+        qh = l2(q).repeat_interleave(group, 2).transpose(1, 2)
+        kh = l2(k).repeat_interleave(group, 2).transpose(1, 2)
+        o, s = chunk_delta_rule(qh, kh, v.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), s0)
+        return o.transpose(1, 2), s
+
+    (o_hf, s_hf), g_hf = outputs_and_grads(theirs, x)
+    (o, s), grads = outputs_and_grads(ours, x)
+    (o64, s64), g64 = outputs_and_grads(ours, x, torch.float64)
+    # transformers computes in fp32 internally: FP32_FACTOR x our own fp32-vs-fp64 gap (of each gradient too)
+    torch.testing.assert_close(o, o_hf, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_hf, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_hf, g64, form)
 
 
 # ----------------------------------------------------------------------------- fla-core naive.py references
@@ -238,44 +249,72 @@ def _fla_naive(subdir: str):
 
 
 def test_parity_fla_naive_delta_rule():
+    """fla's recurrence (fp32 whatever the input, with an initial state) and its chunkwise form (its inputs' dtype, no
+    initial state): the outputs, the final state and the gradients w.r.t. q, k, v, beta (and the initial state)."""
     naive = _fla_naive("delta_rule")
-    q, k, v, beta, _, s0 = inputs(T=64, gated=False, init=True)
-    o_ref, s_ref = naive.delta_rule_recurrence(q, k, v, beta, initial_state=s0.clone())  # computes in fp32
-    o, s = chunk_delta_rule(q, k, v, beta, None, s0, chunk_size=16)
-    q64, k64, v64, beta64, _, s064 = inputs(T=64, gated=False, init=True, dtype=torch.float64)
-    o64, s64 = chunk_delta_rule(q64, k64, v64, beta64, None, s064, chunk_size=16)
+    q, k, v, beta, _, s0 = inputs(T=64, gated=False, init=True, dtype=torch.float64)
+    x = dict(q=q, k=k, v=v, beta=beta, s0=s0)
+    ours = lambda q, k, v, beta, s0: chunk_delta_rule(q, k, v, beta, None, s0, chunk_size=16)  # noqa: E731
+
+    def theirs(q, k, v, beta, s0):
+        return naive.delta_rule_recurrence(q, k, v, beta, initial_state=s0.clone())
+
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, x, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
     # fla's recurrence computes in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
     torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, "delta_rule_recurrence")
     # fla's chunkwise form follows its inputs' dtype: both in fp64
-    o_chunk, s_chunk = naive.delta_rule_chunkwise(q64, k64, v64, beta64, chunk_size=32)  # no initial state, T % 32 == 0
+    del x["s0"]  # no initial state; T % 32 == 0
+    (o_chunk, s_chunk), g_chunk = outputs_and_grads(lambda **a: naive.delta_rule_chunkwise(**a, chunk_size=32), x)
     assert o_chunk.dtype == s_chunk.dtype == torch.float64
-    o, s = chunk_delta_rule(q64, k64, v64, beta64, chunk_size=32)
+    (o, s), grads = outputs_and_grads(lambda **a: chunk_delta_rule(**a, chunk_size=32), x)
     torch.testing.assert_close(o, o_chunk, **F64)
     torch.testing.assert_close(s, s_chunk, **F64)
+    assert_grads_close(grads, g_chunk, what="delta_rule_chunkwise")
 
 
 @pytest.mark.parametrize("form", ["naive_recurrent_gated_delta_rule", "naive_chunk_gated_delta_rule"])
 def test_parity_fla_naive_gated_delta_rule(form):
+    """The outputs, the final state and the gradients w.r.t. q, k, v, beta, g and the initial state."""
     naive = _fla_naive("gated_delta_rule")
-    q, k, v, beta, g, s0 = inputs(T=70, init=True)
+    q, k, v, beta, g, s0 = inputs(T=70, init=True, dtype=torch.float64)
+    x = dict(q=q, k=k, v=v, beta=beta, g=g, s0=s0)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  fla takes (B, T, H, D)
-    o_ref, s_ref = getattr(naive, form)(t(q), t(k), t(v), beta=t(beta), g=t(g), initial_state=s0.clone(), output_final_state=True)
-    o, s = chunk_delta_rule(q, k, v, beta, g, s0)
-    o64, s64 = chunk_delta_rule(*inputs(T=70, init=True, dtype=torch.float64))
+
+    def theirs(q, k, v, beta, g, s0):
+        o, s = getattr(naive, form)(t(q), t(k), t(v), beta=t(beta), g=t(g), initial_state=s0.clone(),
+                                    output_final_state=True)
+        return t(o), s
+
+    ours = lambda q, k, v, beta, g, s0: chunk_delta_rule(q, k, v, beta, g, s0)  # noqa: E731
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, x, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
     # fla's naive forms compute in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
-    torch.testing.assert_close(o, t(o_ref), atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, form)
 
 
 def test_parity_fla_naive_linear_attention():
+    """The outputs, the final state and the gradients w.r.t. q, k, v and the initial state."""
     naive = _fla_naive("linear_attn")
-    q, k, v, _, _, s0 = inputs(T=50, gated=False, init=True)
+    q, k, v, _, _, s0 = inputs(T=50, gated=False, init=True, dtype=torch.float64)
+    x = dict(q=q, k=k, v=v, s0=s0)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    o_ref, s_ref = naive.naive_recurrent_linear_attn(t(q), t(k), t(v), initial_state=s0, output_final_state=True)
-    o, s = chunk_linear_attention(q, k, v, s0, chunk_size=16)
-    q64, k64, v64, _, _, s064 = inputs(T=50, gated=False, init=True, dtype=torch.float64)
-    o64, s64 = chunk_linear_attention(q64, k64, v64, s064, chunk_size=16)
+
+    def theirs(q, k, v, s0):
+        o, s = naive.naive_recurrent_linear_attn(t(q), t(k), t(v), initial_state=s0, output_final_state=True)
+        return t(o), s
+
+    ours = lambda q, k, v, s0: chunk_linear_attention(q, k, v, s0, chunk_size=16)  # noqa: E731
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, x, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
     # fla's naive form computes in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
-    torch.testing.assert_close(o, t(o_ref), atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, "naive_recurrent_linear_attn")

@@ -1,6 +1,7 @@
 """Gated linear attention (ops/gated_linear_attention.py) and the mixers over it, gla and retnet: chunkwise form ==
 per-token recurrence (outputs, final state, gradients) in fp64, decode steps == recurrence, state resets, strong
-decay, parity with fla-core's pure-torch naive references (op and layer), packing over several chunks per document.
+decay, parity with fla-core's pure-torch naive references (op: outputs, final state and the gradients w.r.t. every
+input; layer: the output and the gradients w.r.t. x and every parameter), packing over several chunks per document.
 The generic contract (cached decode, chunked prefill, cache bytes, causality, reference switch) runs from
 tests/test_mixers_contract.py, exact FLOPs from tests/test_flops_exact.py, context parallelism from
 tests/test_context_parallel.py (bench/context_parallel.CASES).
@@ -19,7 +20,7 @@ from attnzoo.mixers.retnet import retention_log_decays
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.gated_linear_attention import (chunk_gated_linear_attention, gated_linear_attention_recurrent,
                                                 gated_linear_attention_step)
-from tests.conftest import gap_atol, tiny_model_cfg
+from tests.conftest import assert_grads_close, gap_atol, module_outputs_and_grads, outputs_and_grads, tiny_model_cfg
 from tests.test_delta_rule import _fla_naive
 from tests.test_packing import _model, packed_ids, strategy  # noqa: F401  (strategy: a fixture used below)
 from tests.test_packing import test_a_packed_batch_equals_each_document_alone as packed_equals_alone
@@ -88,32 +89,45 @@ def test_resets_start_each_marked_chunk_from_zero():
 # ----------------------------------------------------------------------------- fla-core naive references
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_parity_fla_naive_recurrent_gla(form):
+    """The outputs, the final state and the gradients w.r.t. q, k, v, g and the initial state."""
     naive = _fla_naive("gla")
-    q, k, v, g, s0 = inputs(T=70, init=True, dtype=torch.float32)
+    q, k, v, g, s0 = inputs(T=70, init=True)
+    x = dict(q=q, k=k, v=v, g=g, s0=s0)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  fla takes (B, T, H, D)
-    o_ref, s_ref = naive.naive_recurrent_gla(t(q), t(k), t(v), t(g), initial_state=s0.clone(), output_final_state=True)
+
+    def theirs(q, k, v, g, s0):
+        o, s = naive.naive_recurrent_gla(t(q), t(k), t(v), t(g), initial_state=s0.clone(), output_final_state=True)
+        return t(o), s
+
     op = (lambda *a: chunk_gated_linear_attention(*a, chunk_size=16)) if form == "chunk" else gated_linear_attention_recurrent
-    o, s = op(q, k, v, g, s0)
-    o64, s64 = op(*inputs(T=70, init=True))
-    torch.testing.assert_close(o, t(o_ref), atol=gap_atol(o, o64), rtol=0)
+    ours = lambda q, k, v, g, s0: op(q, k, v, g, s0)  # noqa: E731
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, x, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, "naive_recurrent_gla")
 
 
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_parity_fla_naive_retention(form):
-    """fla's parallel retention (decay matrix gamma_h^(t-s), heads 0..H-1) == the op on the per-head log-decays."""
+    """fla's parallel retention (decay matrix gamma_h^(t-s), heads 0..H-1) == the op on the per-head log-decays: the
+    outputs and the gradients w.r.t. q, k, v (the decays are constants, no initial state, no final state)."""
     naive = _fla_naive("retention")
     H, T = 5, 45
-    q, k, v, _, _ = inputs(H=H, T=T, dtype=torch.float32)
-    o_ref = naive.naive_retention(q, k, v)
+    q, k, v, _, _ = inputs(H=H, T=T)
+    x = dict(q=q, k=k, v=v)
 
     def ours(q, k, v):
         g = torch.tensor(retention_log_decays(H), dtype=q.dtype)[None, :, None, None].expand(2, H, T, 1)
         op = (lambda *a: chunk_gated_linear_attention(*a, chunk_size=16)) if form == "chunk" else gated_linear_attention_recurrent
         return op(q, k, v, g)[0]
 
-    o, o64 = ours(q, k, v), ours(*inputs(H=H, T=T)[:3])
+    (o_ref,), g_ref = outputs_and_grads(naive.naive_retention, x, torch.float32)
+    (o,), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64,), g64 = outputs_and_grads(ours, x)
     torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, "naive_retention")
 
 
 def test_retention_decays_are_the_papers():
@@ -144,20 +158,34 @@ def _fla_layer_forward(layer, x, naive_op, rotate=None):
     return layer.o_proj(o.reshape(B, T, H * Dv))
 
 
+def check_layer_matches(layer, x, reference, what: str) -> torch.Tensor:
+    """Our fp32 layer (its default chunkwise form) against `reference(layer, x)` (fla's layer math on our layer's
+    weights over a naive op, fp32 inside): the output, and the gradients of a fixed random projection of it w.r.t. x
+    and every parameter of our layer by name, each within FP32_FACTOR x our own fp32-vs-fp64 gap of that tensor
+    (our layer run again in fp64 on the same weights and input). Returns the reference output."""
+    ours = lambda m, x: m(x, positions=torch.arange(x.shape[1]))  # noqa: E731
+    ref, g_ref = module_outputs_and_grads(layer, reference, x)
+    out, grads = module_outputs_and_grads(layer, ours, x)
+    out64, g64 = module_outputs_and_grads(layer.double(), ours, x.double())
+    layer.float()
+    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, what)
+    return ref
+
+
 def test_gla_layer_matches_fla_layer_with_naive_op():
     naive = _fla_naive("gla")
     layer = _layer("gla")
     x = torch.randn(2, 33, layer.d_model, generator=torch.Generator().manual_seed(1))
 
-    def op(q, k, v):
-        gk = F.logsigmoid(layer.gk_proj(x).reshape(q.shape)) / 16  # fla: logsigmoid(gk) / gate_logit_normalizer
-        return naive.naive_recurrent_gla(q, k, v, gk)[0]
+    def reference(layer, x):
+        def op(q, k, v):
+            gk = F.logsigmoid(layer.gk_proj(x).reshape(q.shape)) / 16  # fla: logsigmoid(gk) / gate_logit_normalizer
+            return naive.naive_recurrent_gla(q, k, v, gk)[0]
 
-    with torch.no_grad():
-        ref = _fla_layer_forward(layer, x, op)
-        out = layer(x, positions=torch.arange(33))
-        out64 = layer.double()(x.double(), positions=torch.arange(33))
-    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
+        return _fla_layer_forward(layer, x, op)
+
+    check_layer_matches(layer, x, reference, "gla layer")
 
 
 def test_retnet_layer_matches_fla_layer_with_naive_op():
@@ -178,11 +206,7 @@ def test_retnet_layer_matches_fla_layer_with_naive_op():
         t = lambda u: u.transpose(1, 2)  # noqa: E731  naive_retention takes (B, H, T, D)
         return t(naive.naive_retention(t(q), t(k), t(v)))
 
-    with torch.no_grad():
-        ref = _fla_layer_forward(layer, x, op, rotate)
-        out = layer(x, positions=torch.arange(T))
-        out64 = layer.double()(x.double(), positions=torch.arange(T))
-    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
+    check_layer_matches(layer, x, lambda layer, x: _fla_layer_forward(layer, x, op, rotate), "retnet layer")
 
 
 # ----------------------------------------------------------------------------- mixers

@@ -1,11 +1,11 @@
 """hgrn2 and mamba2, two more mixers on gated linear attention (ops/gated_linear_attention.py): the layer's chunkwise
 form == its per-token recurrence in fp64 (1e-10, outputs and every gradient; strong decays, a lower bound, a conv),
 prefill + one-token steps == the full forward, packing over several chunks == each document alone, cache bytes,
-parity with the references: fla's HGRN2Attention layer math rebuilt on our weights over fla-core's naive GLA
-recurrence; fla-core's naive simple-GLA (SSD) forms for Mamba-2's op; transformers' Mamba2Mixer (its torch path) with
-our weights copied in (the output, and the gradients w.r.t. x and every parameter). The generic contract runs from
-tests/test_mixers_contract.py, exact FLOPs from tests/test_flops_exact.py, context parallelism from
-tests/test_context_parallel.py (bench/context_parallel.CASES).
+parity with the references, outputs and gradients: fla's HGRN2Attention layer math rebuilt on our weights over
+fla-core's naive GLA recurrence (w.r.t. x and every parameter); fla-core's naive simple-GLA (SSD) forms for Mamba-2's
+op (w.r.t. every input); transformers' Mamba2Mixer (its torch path) with our weights copied in (w.r.t. x and every
+parameter). The generic contract runs from tests/test_mixers_contract.py, exact FLOPs from tests/test_flops_exact.py,
+context parallelism from tests/test_context_parallel.py (bench/context_parallel.CASES).
 
 Tolerances (conftest.gap_atol): two of our forms in fp64 (1e-10); fla's naive forms and transformers' torch path
 compute in fp32 whatever the input, so FP32_FACTOR x our own fp32-vs-fp64 gap."""
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.models.decoder import DecoderLM
-from tests.conftest import gap_atol, tiny_model_cfg
+from tests.conftest import assert_grads_close, gap_atol, outputs_and_grads, tiny_model_cfg
 from tests.test_delta_rule import _fla_naive
+from tests.test_gla_retnet import check_layer_matches
 from tests.test_packing import _model, packed_ids, strategy  # noqa: F401  (strategy: a fixture used below)
 from tests.test_packing import test_a_packed_batch_equals_each_document_alone as packed_equals_alone
 
@@ -151,14 +152,12 @@ def _fla_hgrn2_forward(layer, x, naive, lower_bound: float = 0.0):
 
 @pytest.mark.parametrize("lower_bound", [0.0, 0.3])
 def test_hgrn2_layer_matches_fla_layer_with_naive_op(lower_bound):
+    """The output and the gradients w.r.t. x and every parameter (tests/test_gla_retnet.check_layer_matches)."""
     naive = _fla_naive("gla")
     layer = _layer({"name": "hgrn2", "lower_bound": lower_bound})
     x = _x(layer, 33, dtype=torch.float32)
-    with torch.no_grad():
-        ref = _fla_hgrn2_forward(layer, x, naive, lower_bound)
-        out = layer(x, positions=torch.arange(33))
-        out64 = layer.double()(x.double(), positions=torch.arange(33))
-    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
+    check_layer_matches(layer, x, lambda layer, x: _fla_hgrn2_forward(layer, x, naive, lower_bound),
+                        f"hgrn2 layer, lower bound {lower_bound}")
 
 
 # ----------------------------------------------------------------------------- mamba2
@@ -221,7 +220,8 @@ def test_mamba2_initialisation_is_the_papers():
 
 @pytest.mark.parametrize("form", ["naive_recurrent_simple_gla", "naive_chunk_simple_gla"])
 def test_ssd_op_matches_fla_naive_simple_gla(form):
-    """Mamba-2's SSD is fla's simple GLA (one log-decay per head and token) read unscaled: q = C, k = B, v = dt x."""
+    """Mamba-2's SSD is fla's simple GLA (one log-decay per head and token) read unscaled: q = C, k = B, v = dt x. The
+    outputs, the final state and the gradients w.r.t. C, B, v, the log-decays g and an initial state."""
     from attnzoo.ops.gated_linear_attention import chunk_gated_linear_attention
 
     naive = _fla_naive("simple_gla")
@@ -230,19 +230,24 @@ def test_ssd_op_matches_fla_naive_simple_gla(form):
     c, b, x = (torch.randn(B, T, H, d, generator=gen, dtype=torch.float64) for d in (N, N, P))
     dt = F.softplus(torch.randn(B, T, H, generator=gen, dtype=torch.float64) - 1)
     g = -torch.rand(H, generator=gen, dtype=torch.float64).mul(15).add(1) * dt  # A ~ -U[1, 16]
-    v = x * dt[..., None]
+    s0 = torch.randn(B, H, N, P, generator=gen, dtype=torch.float64)
+    inputs = dict(c=c, b=b, v=x * dt[..., None], g=g, s0=s0)
+    t = lambda u: u.transpose(1, 2)  # noqa: E731  (B, H, T, D)
 
-    def ours(c, b, v, g):
-        t = lambda u: u.transpose(1, 2)  # noqa: E731  (B, H, T, D)
-        return chunk_gated_linear_attention(t(c), t(b), t(v), t(g)[..., None], scale=1.0, chunk_size=16)
+    def ours(c, b, v, g, s0):
+        return chunk_gated_linear_attention(t(c), t(b), t(v), t(g)[..., None], s0, scale=1.0, chunk_size=16)
 
-    kw = dict(chunk_size=16) if "chunk" in form else {}
-    o_ref, s_ref = getattr(naive, form)(c.float(), b.float(), v.float(), g.float(), scale=1.0,
-                                        output_final_state=True, **kw)
-    o, s = ours(*(u.float() for u in (c, b, v, g)))
-    o64, s64 = ours(c, b, v, g)
-    torch.testing.assert_close(o.transpose(1, 2), o_ref.float(), atol=gap_atol(o, o64), rtol=0)
+    def theirs(c, b, v, g, s0):
+        kw = dict(chunk_size=16) if "chunk" in form else {}
+        o, s = getattr(naive, form)(c, b, v, g, scale=1.0, initial_state=s0, output_final_state=True, **kw)
+        return t(o), s
+
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, inputs, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, inputs, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, inputs)
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, form)
 
 
 def _transformers_mamba2(layer):

@@ -3,7 +3,8 @@ recurrence in fp64 (1e-10, outputs, final state and every gradient; the op with 
 general a, b; strong decays), prefill + one-token steps == the recurrence / the full forward, resets == each segment
 alone, packing over several chunks == each document alone; parity with fla-core's pure-torch naive DPLR references
 (`dplr_recurrence`, `dplr_chunkwise`; the op, and fla's RWKV7Attention forward rebuilt on our weights over them: fla's
-rwkv7 ops and modules import triton, never installed here); the paper's / fla's initialisation by layer; cache bytes.
+rwkv7 ops and modules import triton, never installed here; outputs and gradients); the paper's / fla's initialisation
+by layer; cache bytes.
 The generic contract runs from tests/test_mixers_contract.py, exact FLOPs from tests/test_flops_exact.py, context
 parallelism from tests/test_context_parallel.py (bench/context_parallel.CASES).
 
@@ -23,9 +24,9 @@ from attnzoo.config.errors import ConfigError
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
                                                 generalized_delta_rule_step)
-from tests.conftest import gap_atol, tiny_model_cfg
+from tests.conftest import assert_grads_close, gap_atol, outputs_and_grads, tiny_model_cfg
 from tests.test_delta_rule import _fla_naive
-from tests.test_gla_retnet import assert_forms_agree
+from tests.test_gla_retnet import assert_forms_agree, check_layer_matches
 from tests.test_hgrn2_mamba2 import _layer, _x, check_chunk_equals_recurrent, check_decode_equals_full
 from tests.test_packing import _model, packed_ids, strategy  # noqa: F401  (strategy: a fixture used below)
 from tests.test_packing import test_a_packed_batch_equals_each_document_alone as packed_equals_alone
@@ -116,15 +117,22 @@ def test_resets_start_each_marked_chunk_from_zero():
 @pytest.mark.parametrize("rwkv", [True, False], ids=["rwkv-ab", "general-ab"])
 def test_parity_fla_naive_dplr(form, rwkv):
     """fla's naive DPLR forms (S_t = S_{t-1} diag(e^gk) + beta alpha^T S_{t-1} + k v^T on its (K, V) state, q read at
-    d_k^-1/2: our default scale) with alpha = a, beta = b; T = 64, a multiple of dplr_chunkwise's chunk."""
+    d_k^-1/2: our default scale) with alpha = a, beta = b; T = 64, a multiple of dplr_chunkwise's chunk. The outputs,
+    the final state and the gradients w.r.t. q, k, v, a, b, g and the initial state."""
     naive = _fla_naive("generalized_delta_rule/dplr")
-    q, k, v, a, b, g, s0 = inputs(T=64, rwkv=rwkv, init=True, dtype=torch.float32)
+    x = dict(zip(("q", "k", "v", "a", "b", "g", "s0"), inputs(T=64, rwkv=rwkv, init=True)))
     kw = dict(chunk_size=16) if form == "dplr_chunkwise" else {}
-    o_ref, s_ref = getattr(naive, form)(q, k, v, a, b, g, initial_state=s0.clone(), **kw)
-    o, s = chunk_generalized_delta_rule(q, k, v, a, b, g, s0)
-    o64, s64 = chunk_generalized_delta_rule(*inputs(T=64, rwkv=rwkv, init=True))
+
+    def theirs(q, k, v, a, b, g, s0):
+        return getattr(naive, form)(q, k, v, a, b, g, initial_state=s0.clone(), **kw)
+
+    ours = lambda q, k, v, a, b, g, s0: chunk_generalized_delta_rule(q, k, v, a, b, g, s0)  # noqa: E731
+    (o_ref, s_ref), g_ref = outputs_and_grads(theirs, x, torch.float32)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
     torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, form)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -185,7 +193,7 @@ def _fla_rwkv7_forward(layer, x, op):
     t = lambda u: u.transpose(1, 2)  # noqa: E731  the naive forms take (B, H, T, D)
     o = t(op(t(r) * K**0.5, t(k), t(v), t(-kk), t(kk * a), t(w))[0])
     norm = nn.GroupNorm(H, H * V, eps=K * layer.cfg.norm_eps)
-    norm.load_state_dict(layer.g_norm.state_dict())
+    norm.weight, norm.bias = layer.g_norm.weight, layer.g_norm.bias  # our parameters themselves: gradients reach them
     o = norm(o.reshape(B * T, H * V)).view(B, T, -1)
     o = (o + ((r * k * layer.r_k).sum(-1, keepdim=True) * v).view(B, T, -1)) * g
     return layer.o_proj(o)
@@ -194,17 +202,14 @@ def _fla_rwkv7_forward(layer, x, op):
 @pytest.mark.parametrize("form", ["dplr_recurrence", "dplr_chunkwise"])
 @pytest.mark.parametrize("case", ["C16-T50", "C8-T40-dk6-dv12"])
 def test_rwkv7_layer_matches_fla_layer_with_naive_op(form, case):
+    """The output and the gradients w.r.t. x and every parameter (tests/test_gla_retnet.check_layer_matches)."""
     naive = _fla_naive("generalized_delta_rule/dplr")
     layer, _ = _rwkv7(case)
     T = 32  # a multiple of dplr_chunkwise's chunk
     op = (lambda *u: naive.dplr_chunkwise(*u, chunk_size=16)) if form == "dplr_chunkwise" else naive.dplr_recurrence
     x = _x(layer, T, dtype=torch.float32)
-    with torch.no_grad():
-        ref = _fla_rwkv7_forward(layer, x, op)
-        out = layer(x, positions=torch.arange(T))
-        out64 = layer.double()(x.double(), positions=torch.arange(T))
+    ref = check_layer_matches(layer, x, lambda layer, x: _fla_rwkv7_forward(layer, x, op), f"rwkv7 {case} {form}")
     assert ref.abs().max() > 0.1  # the weights moved off the init: o_proj is not zero
-    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
 
 
 PACKED = [("rwkv7", {"chunk_size": 4}, "none"), ("rwkv7", {"chunk_size": 8, "conv_size": 3}, "rope")]

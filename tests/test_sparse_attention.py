@@ -1,5 +1,5 @@
-"""Block-sparse attention (nsa, moba): parity with fla-core's NSA reference and with an independent
-mask-based MoBA written from the paper, the sparsity really applied (small blocks, long sequences),
+"""Block-sparse attention (nsa, moba): parity with fla-core's NSA reference (output and gradients) and with an
+independent mask-based MoBA written from the paper, the sparsity really applied (small blocks, long sequences),
 cached decode == full forward where selection is sparse, cache bytes, FLOPs, and bad options refused.
 The shared contract (tests/test_mixers_contract.py) runs on both with their default (larger) blocks."""
 import importlib.util
@@ -14,7 +14,7 @@ import torch
 from attnzoo.config.schema import ConfigError
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.sparse_attention import block_means, moba_attention, moba_keys, nsa_attention, nsa_keys
-from tests.conftest import gap_atol, tiny_model_cfg
+from tests.conftest import assert_grads_close, gap_atol, outputs_and_grads, tiny_model_cfg
 
 V = 64
 
@@ -82,26 +82,36 @@ def window_reference(q, k, v, W):
 @pytest.mark.parametrize("T,bs,S,W", [(64, 8, 3, 0), (64, 8, 4, 16), (50, 4, 5, 8), (96, 16, 3, 7)])
 def test_nsa_matches_fla_naive(T, bs, S, W):
     """Compressed + selected branches from fla's naive_nsa_compression / naive_nsa_topk / naive_nsa_selection
-    (the pieces `naive_nsa` composes; it asserts a GQA group >= 16 and uses flash-attn for the window)."""
+    (the pieces `naive_nsa` composes; it asserts a GQA group >= 16 and uses flash-attn for the window): the output
+    and the gradients w.r.t. q, k, v (through the block means too) and the gates (g_swa where there is a window).
+    The block selection is an index (top-k), no gradient on either side."""
     naive = fla_nsa_naive()
     q, k, v, (g_cmp, g_slc, g_swa) = qkv(T=T, seed=T + bs)
+    x = dict(q=q, k=k, v=v, g_cmp=g_cmp, g_slc=g_slc, **(dict(g_swa=g_swa) if W else {}))
     scale = q.shape[-1] ** -0.5
     bthd = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  fla's layout (B, T, H, D)
-    k_cmp, v_cmp = _mean_pooling(bthd(k), bs), _mean_pooling(bthd(v), bs)
-    o_cmp, _ = naive.naive_nsa_compression(bthd(q), k_cmp, v_cmp, block_size=bs, scale=scale)
-    idx = naive.naive_nsa_topk(bthd(q), k_cmp, block_counts=S, block_size=bs, scale=scale)
-    o_slc = naive.naive_nsa_selection(bthd(q), bthd(k), bthd(v), idx, block_size=bs, scale=scale)
-    ref = (o_cmp * bthd(g_cmp)[..., None] + o_slc * bthd(g_slc)[..., None]).transpose(1, 2)
-    if W:
-        ref = ref + g_swa[..., None] * window_reference(q, k, v, W)
-    ours, ours64 = (nsa_attention(q, k, v, block_means(k, bs), block_means(v, bs), g_cmp, g_slc, g_swa, q_start=0,
-                                  block_size=bs, block_counts=S, window=W)
-                    for q, k, v, g_cmp, g_slc, g_swa in ((q, k, v, g_cmp, g_slc, g_swa),
-                                                         (x.double() for x in (q, k, v, g_cmp, g_slc, g_swa))))
+    picked = {}
+
+    def theirs(q, k, v, g_cmp, g_slc, g_swa=None):
+        k_cmp, v_cmp = _mean_pooling(bthd(k), bs), _mean_pooling(bthd(v), bs)
+        o_cmp, _ = naive.naive_nsa_compression(bthd(q), k_cmp, v_cmp, block_size=bs, scale=scale)
+        picked["idx"] = idx = naive.naive_nsa_topk(bthd(q), k_cmp, block_counts=S, block_size=bs, scale=scale)
+        o_slc = naive.naive_nsa_selection(bthd(q), bthd(k), bthd(v), idx, block_size=bs, scale=scale)
+        ref = (o_cmp * bthd(g_cmp)[..., None] + o_slc * bthd(g_slc)[..., None]).transpose(1, 2)
+        return ref + g_swa[..., None] * window_reference(q, k, v, W) if W else ref
+
+    def ours(q, k, v, g_cmp, g_slc, g_swa=None):
+        return nsa_attention(q, k, v, block_means(k, bs), block_means(v, bs), g_cmp, g_slc, g_swa, q_start=0,
+                             block_size=bs, block_counts=S, window=W)
+
+    (ref,), g_ref = outputs_and_grads(theirs, x)
+    (out,), grads = outputs_and_grads(ours, x)
+    (out64,), g64 = outputs_and_grads(ours, x, torch.float64)
     # fla's naive NSA computes in fp32 whatever the input: FP32_FACTOR x our own fp32-vs-fp64 gap
-    torch.testing.assert_close(ours, ref, atol=gap_atol(ours, ours64), rtol=0)
+    torch.testing.assert_close(out, ref, atol=gap_atol(out, out64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, "nsa")
     # the selection is really sparse: some query reads fewer blocks than it could
-    n_sel = (idx >= 0).sum(-1)
+    n_sel = (picked["idx"] >= 0).sum(-1)
     assert n_sel.max() == S and (torch.arange(T) // bs + 1).max() > S
 
 
