@@ -244,6 +244,75 @@ def _cases(tmp):
         ("misspelt nested key", ["+trainer.fsdp.param_dtyp=bf16"], "trainer.fsdp.param_dtyp",
          "did you mean trainer.fsdp.param_dtype?"),
     ]
+    # issue 43 item 3: the last round's surface (the new mixers' options, µP, budgets, FSDP, the end-of-run decode)
+    R = "model.layers[0].mixer"
+    cases += [
+        ("gla gate normalizer NaN", ["model/mixer=gla", "model.mixer.gate_logit_normalizer=nan"],
+         f"{R}.gate_logit_normalizer", "must be > 0, got nan; allowed: a finite positive number"),
+        ("gla gate rank 0", ["model/mixer=gla", "model.mixer.gate_low_rank_dim=0"], f"{R}.gate_low_rank_dim",
+         "must be >= 1, got 0"),
+        ("retnet norm eps 0", ["model/mixer=retnet", "model.mixer.norm_eps=0"], f"{R}.norm_eps",
+         "must be > 0, got 0.0; allowed: a small finite positive number"),
+        ("rwkv7 norm eps NaN", ["model/mixer=rwkv7", "model.mixer.norm_eps=nan"], f"{R}.norm_eps",
+         "must be > 0, got nan"),
+        ("retnet chunk 0", ["model/mixer=retnet", "model.mixer.chunk_size=0"], f"{R}.chunk_size",
+         "must be >= 1, got 0"),
+        ("retnet activation", ["model/mixer=retnet", "model.mixer.qkv_activation=gelu"], f"{R}.qkv_activation",
+         "got 'gelu'; allowed: silu, none"),
+        ("hgrn2 lower bound 1", ["model/mixer=hgrn2", "model.mixer.lower_bound=1"], f"{R}.lower_bound",
+         "must be in [0, 1), got 1.0"),
+        ("mamba2 A_init_range of one value", ["model/mixer=mamba2", "model.mixer.A_init_range=[1.0]"],
+         f"{R}.A_init_range", "must be [low, high] with 0 < low <= high, got [1.0]; allowed: two finite numbers"),
+        ("mamba2 infinite A_init_range", ["model/mixer=mamba2", "model.mixer.A_init_range=[1.0,inf]"],
+         f"{R}.A_init_range", "got [1.0, inf]"),
+        ("mamba2 dt floor NaN", ["model/mixer=mamba2", "model.mixer.dt_init_floor=nan"], f"{R}.dt_init_floor",
+         "must be >= 0, got nan"),
+        ("mamba2 d_state 0", ["model/mixer=mamba2", "model.mixer.d_state=0"], f"{R}.d_state", "must be >= 1, got 0"),
+        ("mamba2 groups not dividing the heads", ["model/mixer=mamba2", "model.mixer.n_groups=3"], f"{R}.n_groups",
+         "does not divide n_heads = 8"),
+        ("mamba2 head_dim not dividing expand x d_model", ["model/mixer=mamba2", "model.mixer.head_dim=12"],
+         f"{R}.head_dim", "head_dim=12 does not divide expand * d_model = 64"),
+        ("mamba2 fractional expand", ["model/mixer=mamba2", "model.mixer.expand=1.5"], "model.mixer.expand",
+         "could not be converted to Integer"),
+        ("gated_deltanet A_init_range from 0", ["model/mixer=gated_deltanet", "model.mixer.A_init_range=[0.0,16.0]"],
+         f"{R}.A_init_range", "got [0.0, 16.0]"),
+        ("gated_deltanet reversed dt_init_range", ["model/mixer=gated_deltanet",
+                                                   "model.mixer.dt_init_range=[0.1,0.001]"], f"{R}.dt_init_range",
+         "got [0.1, 0.001]"),
+        ("alibi on a model without attention layers", ["model/mixer=retnet", "model/position=alibi"],
+         "model.position.name", "none of this model's layers (retnet) is one: it would train without positions"),
+        ("negative init std", ["model.init_std=-0.02"], "model.init_std", "must be > 0, got -0.02"),
+        ("init std 0 under mup", ["model.parametrization=mup", "model.mup_base_width=32", "model.init_std=0"],
+         "model.init_std", "must be > 0, got 0.0"),
+        ("negative base width with rwkv7's default ranks", ["model/mixer=rwkv7", "model.mup_base_width=-32"],
+         "model.mup_base_width", "got -32; allowed: null, or a positive width"),
+        ("mup base width negative", ["model.parametrization=mup", "model.mup_base_width=-64"], "model.mup_base_width",
+         "got -64; allowed with model.parametrization=mup"),
+        ("infinite token budget", ["trainer.max_tokens=inf"], "trainer.max_tokens", "must be finite, got inf"),
+        ("negative parameter budget", ["+model_budget={params: -5}"], "model_budget.params",
+         "got -5; allowed: a parameter count >= 1"),
+        ("parameter budget not a number", ["+model_budget={params: abc}"], "model_budget.params", "got 'abc'"),
+        ("NaN parameter budget", ["+model_budget={params: nan}"], "model_budget.params", "got nan"),
+        ("negative budget tolerance", ["+model_budget={params: 100000, tol: -1}"], "model_budget.tol",
+         "got -1; allowed: a relative tolerance > 0"),
+        ("unknown budget count", ["+model_budget={params: 100000, count: weird}"], "model_budget.count",
+         "got 'weird'; allowed: non_embedding, total"),
+        ("misspelt budget key", ["+model_budget={params: 100000, tols: 0.1}"], "model_budget.tols",
+         "unknown key; allowed keys: count, match, params, tol"),
+        ("budget matched on a key models lack", ["+model_budget={match: {nosuch: 1}}"], "model_budget.match.nosuch",
+         "not a model key"),
+        ("fsdp option without fsdp", ["+trainer.fsdp.param_dtype=bf16"], "trainer.fsdp.param_dtype",
+         "bf16 is read with trainer.strategy=fsdp only, and this run's strategy is auto"),
+        ("fsdp reshard as an integer", ["trainer=fsdp_cpu", "trainer.fsdp.reshard_after_forward=2"],
+         "trainer.fsdp.reshard_after_forward", "got 2; allowed: true or false"),
+        ("negative sample temperature", ["sample.temperature=-1"], "sample.temperature", "must be >= 0 (0: greedy)"),
+        ("sample top_p above 1", ["sample.top_p=2"], "sample.top_p", "must be in (0, 1] or null"),
+        ("negative sample top_k", ["sample.top_k=-3"], "sample.top_k", "must be >= 0 or null"),
+        ("negative sample length", ["sample.max_new_tokens=-1"], "sample.max_new_tokens",
+         "must be >= 0 (0: no sample)"),
+        ("negative decode tokens measured", ["perf.decode_tokens=-5"], "perf.decode_tokens", "must be >= 0"),
+        ("negative peak FLOP/s", ["perf.peak_flops=-1"], "perf.peak_flops", "must be a finite positive FLOP/s or null"),
+    ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))
         cases.append(("ddp without a gpu", ["trainer=ddp"], "trainer.accelerator", "no CUDA device"))
@@ -292,6 +361,31 @@ def test_valid_group_options_pass():
     assert check_group_overrides(["model/mixer=gqa,mqa", "trainer=cpu", "model.d_model=64", "seed=1"]) is None
     assert check_group_overrides(["logger=[csv,tensorboard]"]) is None  # several options of a group at once
     assert check_group_overrides(["logger=[csv,nosuch]"]).startswith("logger: unknown option 'nosuch'")
+
+
+def test_an_fsdp_option_on_a_trainer_without_fsdp_names_the_preset():
+    """`trainer.fsdp.param_dtype=bf16` on trainer=cpu (whose yaml has no fsdp section): was "unknown key; allowed
+    keys:  (add a new key with +...)", an empty list and advice whose result was ignored (issue 43 item 3)."""
+    from attnzoo.cli.train import check_unknown_keys
+
+    assert check_unknown_keys(["trainer.fsdp.param_dtype=bf16"]) == (
+        "trainer.fsdp.param_dtype: the trainer.fsdp options are read with trainer.strategy=fsdp, and this trainer "
+        "preset has none; allowed: trainer=fsdp_cpu (or trainer=fsdp on GPUs) with trainer.fsdp.param_dtype=bf16")
+
+
+@pytest.mark.parametrize("budget, line", [
+    ({"params": 1e5, "count": "weird"}, "model_budget.count: got 'weird'; allowed: non_embedding, total"),
+    ({"params": 1e5, "tol": 0}, "model_budget.tol: got 0; allowed: a relative tolerance > 0, e.g. 0.02 (2%)"),
+])
+def test_budget_values_are_checked_with_the_config(budget, line):
+    """model_budget's count and tol in the torch-free config checks (preflight), not only once the data is set up and
+    the widths searched (issue 43 item 3: an unknown count was refused after the data set-up, tol <= 0 after the
+    search, as "closest is ... allowed: a target within -100%")."""
+    from attnzoo.training.budget import check_budget
+
+    with pytest.raises(ConfigError) as e:
+        check_budget(budget)
+    assert str(e.value) == line
 
 
 def test_several_loggers_at_once(tmp_path):

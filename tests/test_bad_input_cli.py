@@ -48,6 +48,16 @@ def _empty_prompts(tmp):
     return ["--prompts", str(tmp / "prompts.txt")]
 
 
+def _latin1_prompts(tmp):
+    (tmp / "prompts.txt").write_bytes(b"caf\xe9 au lait\n")
+    return ["--prompts", str(tmp / "prompts.txt")]
+
+
+def _prompts_dir(tmp):
+    (tmp / "prompts").mkdir()
+    return ["--prompts", str(tmp / "prompts")]
+
+
 GENERATE = [  # (argv after RUN, the stderr line after "attnzoo-generate: error: ")
     (["x", "--temperature", "-0.5"], "--temperature: must be >= 0 (0: greedy), got -0.5"),
     (["x", "--temperature", "nan"], "--temperature: must be >= 0 (0: greedy), got nan"),
@@ -57,15 +67,39 @@ GENERATE = [  # (argv after RUN, the stderr line after "attnzoo-generate: error:
     (["x", "--device", "tpu"], "--device: unknown device 'tpu'; allowed: cpu"),
     (["x", "--device", "cuda:99"], "--device: cuda:99: "),
     (_empty_prompts, "--prompts: <tmp>/prompts.txt holds no prompt (no non-blank line); allowed: one prompt per line"),
+    # issue 43 item 3: a prompts file that is not UTF-8 (was a UnicodeDecodeError traceback), a folder (was "does not
+    # exist"), the KV-cache flags' own values (were refused only after the checkpoint was loaded)
+    (_latin1_prompts, "--prompts: <tmp>/prompts.txt is not UTF-8 text (invalid byte at offset 3); allowed: a UTF-8 "
+                      "text file with one prompt per line"),
+    (_prompts_dir, "--prompts: <tmp>/prompts is a directory; allowed: a text file with one prompt per line"),
+    (["x", "--kv-group-size", "0"], "--kv-group-size: must be >= 1 (tokens per key scale, channels per value scale), "
+                                    "got 0"),
+    (["x", "--kv-cache-dtype", "int3"], "--kv-cache-dtype: got 'int3'; allowed: fp32, bf16, int8, int4"),
+    (["x", "--kv-residual", "-1"], "--kv-residual: must be >= 0 (full-precision recent tokens), got -1"),
+    (["x", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    (["x", "--max-new-tokens", "-5"], "--max-new-tokens: must be >= 1, got -5"),
 ]
 
 
-@pytest.mark.parametrize("argv,line", GENERATE, ids=[" ".join(a) if isinstance(a, list) else "empty prompts file"
+@pytest.mark.parametrize("argv,line", GENERATE, ids=[" ".join(a) if isinstance(a, list) else a.__name__.strip("_")
                                                        for a, _ in GENERATE])
 def test_generate_options_refused_before_work(argv, line, tmp_path, capsys, no_load):
     argv = argv(tmp_path) if callable(argv) else argv
     got = refused(capsys, generate_main, [str(tmp_path / "run"), *argv])
     assert got.startswith("attnzoo-generate: error: " + line.replace("<tmp>", str(tmp_path))), got
+
+
+def test_a_sharded_folder_whose_save_did_not_finish_is_named_so(tmp_path, capsys, no_load):
+    """attnzoo-generate / -eval on a sharded checkpoint folder without meta.pt (a save cut short): it was taken for a
+    run dir ("has no checkpoints/last.ckpt"); now the line `attnzoo-ckpt info` and ckpt_path give (issue 43 item 3)."""
+    folder = tmp_path / "last.ckpt.shards-0000002-abc"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 64)
+    (folder / ".metadata").write_bytes(b"\0" * 64)
+    want = (f"checkpoint: {folder} is a sharded checkpoint whose save did not finish (no .metadata / meta.pt); "
+            f"allowed: a .ckpt file, a complete sharded checkpoint folder")
+    assert refused(capsys, generate_main, [str(folder), "x"]).startswith("attnzoo-generate: error: " + want)
+    assert refused(capsys, eval_main, [str(folder)]).startswith("attnzoo-eval: error: " + want)
 
 
 def test_generate_past_the_learned_position_table_is_one_line(learned_run, tmp_path, capsys):
@@ -121,6 +155,7 @@ EVAL = [
      "under a writable directory"),
     (lambda t: ["--out", str(t)], "--out: <tmp> is a directory; allowed: a file path"),
     (lambda t: ["--device", "npu"], "--device: unknown device 'npu'; allowed: cpu"),
+    (lambda t: ["--kv-residual", "-2"], "--kv-residual: must be >= 0 (full-precision recent tokens), got -2"),
 ]
 
 

@@ -171,6 +171,65 @@ def test_consolidate_under_a_file_is_one_line(sharded_run, tmp_path, capsys):
                    f"a file, not a directory); allowed: a path under a writable directory")
 
 
+def test_consolidate_into_its_own_folder_is_refused_and_the_folder_kept(sharded_run, tmp_path, capsys):
+    """Issue 43 item 3: `attnzoo-ckpt consolidate SRC SRC/meta.pt` overwrote the folder's meta.pt with the consolidated
+    file (the sharded checkpoint lost); a DST inside SRC is refused before anything is read or written."""
+    from attnzoo.cli import ckpt as ckpt_cli
+
+    folder = folder_of(copy_run(sharded_run, tmp_path / "run"))
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    for dst in (folder / "meta.pt", folder / "one.ckpt"):
+        with pytest.raises(SystemExit) as e:
+            ckpt_cli.main(["consolidate", str(folder), str(dst)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err == (f"attnzoo-ckpt: error: DST: {dst} is inside SRC {folder}, which the file "
+                                             f"would overwrite or join; allowed: a path outside the checkpoint folder "
+                                             f"(e.g. model.ckpt)"), err
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("payload, what", [
+    (torch.zeros(3), "it holds an object of type Tensor, not a dict with state_dict and global_step"),
+    ({"state_dict": 5, "global_step": 1}, "its state_dict is of type int, not a dict of tensors"),
+], ids=["tensor", "state_dict-int"])
+def test_info_on_a_torch_file_that_is_not_a_checkpoint(payload, what, tmp_path, capsys):
+    """Issue 43 item 3: `attnzoo-ckpt info` of a torch.save'd tensor ended in a RuntimeError traceback from
+    `"state_dict" in tensor`."""
+    from attnzoo.cli import ckpt as ckpt_cli
+
+    torch.save(payload, tmp_path / "x.ckpt")
+    with pytest.raises(SystemExit) as e:
+        ckpt_cli.main(["info", str(tmp_path / "x.ckpt")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == f"attnzoo-ckpt: error: CKPT: {tmp_path}/x.ckpt is not a training checkpoint " \
+        f"({what}){'; allowed: a checkpoint attnzoo-train wrote' if 'Tensor' in what else ''}", err
+
+
+@pytest.mark.parametrize("what, line", [
+    ("text", "CKPT: <p> is corrupt or truncated (not a complete torch zip archive)"),
+    ("empty folder", "CKPT: <p> is a directory; allowed: a .ckpt file, a complete sharded checkpoint folder"),
+    ("zip", "CKPT: <p> cannot be loaded ("),
+])
+def test_info_on_a_file_or_folder_that_is_not_a_checkpoint(what, line, tmp_path, capsys):
+    """`attnzoo-ckpt info` of a text file, an empty folder, a zip that torch did not write: one line each."""
+    import zipfile
+
+    from attnzoo.cli import ckpt as ckpt_cli
+
+    p = tmp_path / "x"
+    if what == "text":
+        p.write_text("notes")
+    elif what == "empty folder":
+        p.mkdir()
+    else:
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("a.txt", "x")
+    with pytest.raises(SystemExit) as e:
+        ckpt_cli.main(["info", str(p)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and err.startswith("attnzoo-ckpt: error: " + line.replace("<p>", str(p)))
+
+
 def test_a_payload_in_a_single_file_checkpoint(tmp_path, capsys):
     """A .ckpt holding a payload: weights_only refuses it in one line, unrun."""
     from attnzoo.training.checkpoint_io import check_checkpoint

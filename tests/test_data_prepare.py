@@ -178,6 +178,19 @@ def _bad_src(kind: str, tmp: Path) -> Path:
     elif kind == "binary":
         make_corpus(src, n=3)
         (src / "c.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    elif kind == "latin-1":  # no NUL byte: not binary, but not UTF-8 either
+        make_corpus(src, n=3)
+        (src / "c.txt").write_bytes(b"caf\xe9 au lait\n\nna\xefve\n")
+    elif kind.startswith("parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if kind == "parquet corrupt":
+            (src / "a.parquet").write_bytes(b"PAR1 not a parquet file")
+            return src
+        column = "body" if kind == "parquet without text" else "text"
+        values = pa.array([1, 2, 3]) if kind == "parquet of numbers" else pa.array(["a b", "c d", "e f"])
+        pq.write_table(pa.table({column: values}), src / "a.parquet")
     return src
 
 
@@ -188,12 +201,92 @@ def _bad_src(kind: str, tmp: Path) -> Path:
     ("no text field", "--text-field: <tmp>/src/a.jsonl line 1 has no string field 'text' (its fields: body); "
                       "allowed: --text-field NAME"),
     ("binary", "SRC: <tmp>/src/c.txt is binary (a NUL byte at offset 8), not UTF-8 text; allowed:"),
+    # issue 43 item 3 (a parquet column of numbers was read as no document at all, after OUT was made)
+    ("latin-1", "SRC: <tmp>/src/c.txt is not UTF-8 text (invalid byte at offset 3); allowed: UTF-8 text files"),
+    ("parquet without text", "--text-field: <tmp>/src/a.parquet has no column 'text' (its columns: body); allowed: "
+                             "--text-field NAME"),
+    ("parquet corrupt", "SRC: <tmp>/src/a.parquet is not a parquet file ("),
+    ("parquet of numbers", "--text-field: <tmp>/src/a.parquet column 'text' holds int64, not text (its text columns: "
+                           "none); allowed: --text-field NAME of a string column"),
 ])
 def test_bad_source(tmp_path, capsys, kind, want):
     src = tmp_path / "nowhere" if kind == "missing" else _bad_src(kind, tmp_path)
     line = refused(capsys, ["prepare", str(src), str(tmp_path / "out")])
     assert line.replace(str(tmp_path), "<tmp>").startswith(want), line
     assert not (tmp_path / "out").exists()  # before any work
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--val-fraction", "1.5"], "--val-fraction: got 1.5; allowed: 0 <= f < 1"),
+    (["--val-fraction", "nan"], "--val-fraction: got nan; allowed: 0 <= f < 1"),
+    (["--chunk-bytes", "0"], "--chunk-bytes: got 0; allowed: >= 1024"),
+    (["--num-workers", "0"], "--num-workers: got 0; allowed: >= 1"),
+    # was refused only after the BPE was trained and OUT made (issue 43 item 3)
+    (["--eos-token", "NOSUCH"], "--eos-token: 'NOSUCH' is not a special token of the BPE --tokenizer bpe trains; "
+                                "allowed: <|endoftext|>, or omit it"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("--") and " " not in v else None)
+def test_bad_option(tmp_path, capsys, argv, want):
+    make_corpus(tmp_path / "src", n=3)
+    assert refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "out"), *argv]) == want
+    assert not (tmp_path / "out").exists()  # before any work
+
+
+def test_a_tokenizer_file_that_is_not_a_tokenizer(tmp_path, capsys):
+    make_corpus(tmp_path / "src", n=3)
+    (tmp_path / "tok.json").write_text("garbage")
+    line = refused(capsys, ["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--tokenizer-file",
+                            str(tmp_path / "tok.json")])
+    assert line == f"--tokenizer-file: {tmp_path}/tok.json is not a tokenizers JSON (expected value at line 1 column 1)"
+    assert not (tmp_path / "out").exists()
+
+
+def _manifest_of(folder: Path, **change) -> Path:
+    """A prepared folder's manifest.json alone (what info and data=shards read first), with `change` applied
+    (dotted keys; None removes)."""
+    from tests.shards_fixture import write_prepared
+
+    m = json.loads((write_prepared(folder, [np.array([1, 2, 0], np.uint16)], [np.array([3, 0], np.uint16)], "{}",
+                                   0, 300) / "manifest.json").read_text())
+    for key, value in change.items():
+        *up, leaf = key.split(".")
+        node = m
+        for k in up:
+            node = node[k]
+        if value is None:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    (folder / "manifest.json").write_text(json.dumps(m))
+    return folder
+
+
+@pytest.mark.parametrize("change, damage", [
+    ({"splits": None}, "splits is missing"),
+    ({"tokenizer": None}, "tokenizer is missing"),
+    ({"tokenizer.vocab_size": "many"}, "tokenizer.vocab_size is 'many', not an integer >= 1"),
+    ({"splits.train": 5}, "splits.train is 5, not a mapping"),
+    ({"dtype": "float64"}, "dtype is 'float64', not uint16 or uint32"),
+    ({"tokenizer.eos_id": 300}, "tokenizer.eos_id 300 is outside the vocabulary of 300 ids"),
+], ids=["no-splits", "no-tokenizer", "vocab-text", "split-int", "dtype", "eos-outside"])
+def test_a_damaged_manifest_is_one_line_in_info_and_data_shards(tmp_path, capsys, change, damage):
+    """Issue 43 item 3: a hand-edited or damaged manifest.json (complete, of this version) ended `attnzoo-data info`
+    and data=shards in a KeyError / TypeError traceback; now one line naming the field, the same in both."""
+    from attnzoo.data.configs import read_manifest as read_prepared_folder
+
+    out = _manifest_of(tmp_path / "out", **change)
+    line = f"{out}/manifest.json is damaged ({damage}); allowed: a folder written by attnzoo-data prepare (prepare " \
+           f"it again)"
+    assert refused(capsys, ["info", str(out)]) == f"OUT: {line}"
+    with pytest.raises(Exception) as e:
+        read_prepared_folder(str(out))
+    assert str(e.value) == f"data.path: {line}"
+
+
+def test_a_file_given_as_the_prepared_folder(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    assert refused(capsys, ["info", str(tmp_path / "notes.txt")]) == (
+        f"OUT: {tmp_path}/notes.txt is a file: not a prepared folder; allowed: a folder written by attnzoo-data "
+        f"prepare")
 
 
 def test_bad_out(tmp_path, capsys, tokenizer_file):

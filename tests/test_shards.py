@@ -111,19 +111,19 @@ def test_every_block_exactly_once_on_two_ranks_times_two_workers(numbered, monke
     assert [tuple(r.tolist()) for x, _ in other.train_dataloader() for r in x] != [o[:-1] for o in orders[0]]
 
 
-def test_validation_scores_the_same_blocks_on_one_and_on_n_ranks(numbered, monkeypatch):
-    """Validation on N ranks scores every block of the one-process validation exactly once (the metrics are summed
-    over ranks at the end), for data=shards (litdata's split without its drop_last tail) and for the map-style
-    loaders of data=text / mqar / ... (ResumableShuffleSampler in order): 1 and N ranks report the same val/loss.
-    With fewer blocks than ranks x batch, shares stay equal (a rank without a batch would skip the sum)."""
+def test_validation_on_n_ranks_scores_the_one_process_set_less_its_tail(numbered, monkeypatch):
+    """Validation on N ranks scores every block of the one-process validation at most once, and misses only the
+    tail an equal split drops (every rank must take the same number of batches: under FSDP each forward is a
+    collective, and uneven shares hung), for data=shards and for the map-style loaders (ResumableShuffleSampler
+    in order, rank r every r-th index): docs/reliability.md says when 1 and N ranks report the same val/loss."""
     def blocks(loader):
         return [tuple(r.tolist()) + (int(yb[i, -1]),) for x, yb in loader for i, r in enumerate(x)]
 
     one = blocks(module(numbered).val_dataloader())
     for world in (2, 3):
         seen = [b for rank in range(world) for b in blocks(module(numbered, rank, world, monkeypatch).val_dataloader())]
-        assert sorted(seen) == sorted(one), (world, len(one))
-    assert len(one) % 3  # on 3 ranks, a tail that an equal split would have dropped
+        assert len(seen) == len(set(seen)) and set(seen) <= set(one), world
+        assert len(one) - len(seen) < world * 3, (world, len(one), len(seen))  # batch 3: the drop_last tail only
     from attnzoo.data import sampling
 
     for n in range(1, 12):
@@ -133,11 +133,8 @@ def test_validation_scores_the_same_blocks_on_one_and_on_n_ranks(numbered, monke
                 monkeypatch.setattr(sampling, "_rank_world", lambda r=rank, w=world: (r, w))
                 sampler = sampling.ResumableShuffleSampler(n, 0, 2, shuffle=False)
                 shares.append(list(sampler))
-                assert len(sampler) == len(shares[-1])
-            if n >= world:
-                assert sorted(i for share in shares for i in share) == list(range(n)), (n, world)
-            else:
-                assert {len(share) for share in shares} == {0}, (n, world)
+                assert len(sampler) == len(shares[-1]) == n // world
+            assert sorted(i for share in shares for i in share) == list(range(n - n % world)), (n, world)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -307,6 +304,14 @@ def test_bad_input_is_refused_in_one_line_before_any_work(corpus, tmp_path):
     _refused(bad(corpus, f"data.vocab_size={vocab - 1}"), tmp_path, "data.vocab_size", f"allowed: >= {vocab}")
     _refused(bad(corpus, f"trainer.max_tokens={B * T - 1}", "trainer.max_steps=null"), tmp_path,
              "trainer.max_tokens", f"is below one batch ({B * T} tokens a step")
+    # a context longer than the training split (issue 43 item 3: one line from the start, found when the split is
+    # opened: the run dir is made for its lock by then, left empty; attnzoo-train removes it)
+    tokens = json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["tokens"]
+    with pytest.raises(ConfigError) as e:
+        train(compose_cfg(bad(corpus, f"data.seq_len={tokens}", f"model.max_seq_len={tokens}"), tmp_path / "long"))
+    assert str(e.value).startswith(f"data.seq_len: {corpus}'s train split ({tokens:,} tokens) holds 0 blocks of "
+                                   f"seq_len + 1 = {tokens + 1} tokens, fewer than one batch; allowed:")
+    assert not any((tmp_path / "long").iterdir())
     with pytest.raises(ConfigError, match=rf"^model.vocab_size: {vocab - 1} embedding rows, fewer than"):
         ShardsDataConfig(path=str(corpus)).validate(type("M", (), {"vocab_size": vocab - 1})(), "data")
 

@@ -301,6 +301,9 @@ def check_unknown_keys(args: list[str]) -> str | None:
         node = OmegaConf.select(node, parent) if parent else node
     except Exception:  # noqa: BLE001
         return None
+    if parent == "trainer.fsdp" and not isinstance(node, DictConfig):  # a preset without the section (trainer=cpu)
+        return (f"{key}: the trainer.fsdp options are read with trainer.strategy=fsdp, and this trainer preset has "
+                f"none; allowed: trainer=fsdp_cpu (or trainer=fsdp on GPUs) with {bad}")
     keys = list(node.keys()) if isinstance(node, DictConfig) else []
     close = difflib.get_close_matches(leaf, keys, n=1)
     hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""

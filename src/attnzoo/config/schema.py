@@ -10,6 +10,7 @@ groups: `attnzoo_train_schema`, `attnzoo_model_schema`) for tooling.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -326,6 +327,26 @@ def _check_mixer_sizes(mc, field: str) -> None:
         value = getattr(mc, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"got {value!r}; allowed: an integer >= 1, or null (the model's)", field=f"{field}.{key}")
+    # a mixer's own norm eps (its output / latent / group norms): 0 or less was taken as given (a 0-norm output
+    # divides by 0), NaN made every output NaN; refused for every mixer with one here (was: rwkv7's <= 0 only)
+    eps = getattr(mc, "norm_eps", None)
+    if eps is not None and not (eps > 0 and math.isfinite(eps)):
+        raise ConfigError(f"must be > 0, got {eps}; allowed: a small finite positive number, e.g. 1e-5",
+                          field=f"{field}.norm_eps")
+
+
+def _check_positions_reach_a_layer(cfg: "ModelConfig", mixers: list) -> None:
+    """ALiBi biases the attention scores of mha / gqa / mqa layers (mixers/attention.py); a model none of whose
+    layers is one trained with no position information at all, silently (retnet, mamba2, ... with alibi)."""
+    if cfg.position.name != "alibi" or cfg.name != "decoder":
+        return
+    from attnzoo.mixers.configs import AttentionConfig
+
+    if not any(isinstance(mc, AttentionConfig) for mc in mixers):
+        names = ", ".join(dict.fromkeys(mc.name for mc in mixers))
+        raise ConfigError(f"alibi biases the attention scores of mha / gqa / mqa layers, and none of this model's "
+                          f"layers ({names}) is one: it would train without positions; allowed: rope, sinusoidal, "
+                          f"learned, none", field="model.position.name")
 
 
 def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
@@ -383,10 +404,14 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     check(0.0 <= cfg.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {cfg.dropout}")
     if cfg.vocab_size is not None:
         check(cfg.vocab_size > 0, "model.vocab_size", "must be positive")
-    for i, mc in enumerate(layer_mixer_configs(cfg)):
+    check(cfg.init_std > 0 and math.isfinite(cfg.init_std), "model.init_std", f"must be > 0, got {cfg.init_std}; "
+          f"allowed: a finite positive std (0.02: GPT-2's; under mup the std at mup_base_width)")
+    mixers = layer_mixer_configs(cfg)
+    for i, mc in enumerate(mixers):
         _check_mixer_sizes(mc, f"model.layers[{i}].mixer")
         if hasattr(mc, "validate"):
             mc.validate(cfg, field=f"model.layers[{i}].mixer")
+    _check_positions_reach_a_layer(cfg, mixers)
     if hasattr(cfg.ffn, "validate"):
         cfg.ffn.validate(cfg, field="model.ffn")
     return cfg
@@ -395,7 +420,10 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
 def _check_parametrization(cfg: ModelConfig) -> None:
     """model.parametrization=mup (models/mup.py): the decoder LM trained from its own init, with a base width."""
     check_choice(cfg.parametrization, "model.parametrization", ("standard", "mup"))
-    if cfg.parametrization == "standard":
+    if cfg.parametrization == "standard":  # read by RWKV-7's default LoRA ranks (was: -32 a complex-number traceback)
+        check(cfg.mup_base_width is None or cfg.mup_base_width > 0, "model.mup_base_width",
+              f"got {cfg.mup_base_width}; allowed: null, or a positive width (the d_model RWKV-7's default LoRA ranks "
+              f"and, with model.parametrization=mup, the hyper-parameters were sized at)")
         return
     check(cfg.mup_base_width is not None and cfg.mup_base_width > 0, "model.mup_base_width",
           f"got {cfg.mup_base_width}; allowed with model.parametrization=mup: the d_model the hyper-parameters "

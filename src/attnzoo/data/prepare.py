@@ -85,6 +85,9 @@ class PrepareOptions:
         if self.tokenizer == "bpe":
             check(self.vocab_size >= 260, "--vocab-size", f"got {self.vocab_size}; allowed: >= 260 (256 bytes + "
                   f"specials)")
+            # the BPE trained here has one special token, its end of text (was: refused after training it)
+            check(self.eos_token in (None, *SPECIALS), "--eos-token", f"{self.eos_token!r} is not a special token "
+                  f"of the BPE --tokenizer bpe trains; allowed: {', '.join(SPECIALS)}, or omit it")
         check(self.sample_docs >= 1, "--sample-docs", f"got {self.sample_docs}; allowed: >= 1")
         check(self.sample_bytes >= 1, "--sample-bytes", f"got {self.sample_bytes}; allowed: >= 1")
         check_choice(self.txt_docs, "--txt-docs", TXT_DOCS)
@@ -102,7 +105,7 @@ def read_manifest(out: str | Path) -> dict:
     out = Path(out).expanduser()
     path = out / "manifest.json"
     if not path.is_file():
-        what = "does not exist" if not out.exists() else "has no manifest.json"
+        what = "does not exist" if not out.exists() else "is a file" if not out.is_dir() else "has no manifest.json"
         raise ConfigError(f"{out} {what}: not a prepared folder; allowed: a folder written by attnzoo-data prepare",
                           field="OUT")
     try:
@@ -118,7 +121,50 @@ def read_manifest(out: str | Path) -> dict:
     if m.get("complete") is not True:
         raise ConfigError(f"{path} is not complete; allowed: run attnzoo-data prepare again to finish it",
                           field="OUT")
+    damage = _manifest_damage(m)
+    if damage:
+        raise ConfigError(f"{path} is damaged ({damage}); allowed: a folder written by attnzoo-data prepare "
+                          f"(prepare it again)", field="OUT")
     return m
+
+
+_COUNT = ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+_TEXT = ("a string", lambda v: isinstance(v, str))
+_NUMBER = ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_SPLIT = {"dir": _TEXT, "tokens": _COUNT, "documents": _COUNT}
+_SOURCE = {"path": _TEXT, "fingerprint": _TEXT}
+# what `info`, `data=shards` and a rerun of prepare read of a manifest (the rest is a record)
+MANIFEST_SHAPE = {
+    "source": {**_SOURCE, "files": _COUNT, "text_field": _TEXT},
+    "tokenizer": {"kind": _TEXT, "file": _TEXT, "sha256": _TEXT, "vocab_size": ("an integer >= 1", lambda v:
+                  isinstance(v, int) and not isinstance(v, bool) and v >= 1), "eos_id": _COUNT},
+    "dtype": ("uint16 or uint32", lambda v: v in ("uint16", "uint32")),
+    "val": {"fraction": _NUMBER, "seed": _NUMBER},
+    "splits": {"train": _SPLIT, "val": _SPLIT},
+}
+PREPARED_WITH = {"prepare": {"source": _SOURCE, "tokenizer": {}, "layout": {}}}  # a rerun of prepare compares it
+
+
+def _manifest_damage(m: dict, shape: dict = MANIFEST_SHAPE, at: str = "") -> Optional[str]:
+    """The first field of `m` that is not what `shape` says (missing, or of another kind), as text; None if none
+    (was: a KeyError or TypeError traceback from info or data=shards on a hand-edited or truncated manifest)."""
+    for key, want in shape.items():
+        where = f"{at}{key}"
+        if key not in m:
+            return f"{where} is missing"
+        value = m[key]
+        if isinstance(want, dict):
+            if not isinstance(value, dict):
+                return f"{where} is {value!r}, not a mapping"
+            inner = _manifest_damage(value, want, f"{where}.")
+            if inner:
+                return inner
+        elif not want[1](value):
+            return f"{where} is {value!r}, not {want[0]}"
+    tok = m["tokenizer"] if shape is MANIFEST_SHAPE else None
+    if tok is not None and tok["eos_id"] >= tok["vocab_size"]:
+        return f"tokenizer.eos_id {tok['eos_id']} is outside the vocabulary of {tok['vocab_size']} ids"
+    return None
 
 
 def describe(m: dict) -> str:
@@ -314,6 +360,10 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
               "seed": o.seed}
     settings = {"source": source, "tokenizer": tok_id, "layout": layout}
     if done is not None:
+        damage = _manifest_damage(done, PREPARED_WITH)
+        if damage:
+            raise ConfigError(f"{out}/manifest.json is damaged ({damage}); allowed: a folder written by attnzoo-data "
+                              f"prepare (prepare it again)", field="OUT")
         _same(done["prepare"], settings, out)
         shutil.rmtree(work, ignore_errors=True)  # a kill after the manifest, before the clean-up
         if o.progress:

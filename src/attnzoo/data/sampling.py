@@ -51,12 +51,6 @@ def own_generator(seed: int) -> torch.Generator:
 
 
 class ResumableShuffleSampler(Sampler[int]):
-    """Training (`shuffle=True`): every rank the same number of indices, the tail of the epoch's order dropped (the
-    gradient all-reduce needs every rank at every step). Validation (`shuffle=False`): every index on exactly one
-    rank, rank r the r-th of every world_size (shares differ by at most one), so 1 and N ranks score the same set
-    — the metrics are summed over ranks once, at the end (TrainingModule._reduce). With fewer indices than ranks
-    the shares are equal (and empty), as a rank without a batch would skip that reduction."""
-
     def __init__(self, n: int, seed: int, batch_size: int, shuffle: bool = True):
         self.n, self.seed, self.batch_size, self.shuffle = n, seed, batch_size, shuffle
         self.epoch = 0
@@ -75,13 +69,8 @@ class ResumableShuffleSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
-        if self._whole(world):
-            return order[rank::world].tolist()
         per_rank = self.n // world
         return order[rank : per_rank * world : world].tolist()
-
-    def _whole(self, world: int) -> bool:
-        return not self.shuffle and self.n >= world
 
     def __iter__(self) -> Iterator[int]:
         idx = self._indices()
@@ -89,10 +78,7 @@ class ResumableShuffleSampler(Sampler[int]):
         return iter(idx[skip:])
 
     def __len__(self) -> int:
-        rank, world = _rank_world()
-        if self._whole(world):
-            return len(range(rank, self.n, world))
-        return self.n // world
+        return self.n // _rank_world()[1]
 
 
 class ResumableDataLoader(DataLoader):

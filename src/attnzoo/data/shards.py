@@ -174,12 +174,8 @@ class ShardsDataModule(L.LightningDataModule):
         ds = StreamingDataset(str(self.root / split), item_loader=TokensLoader(block_size=self.cfg.seq_len + 1),
                               shuffle=shuffle, seed=self.seed, drop_last=shuffle)
         ds.distributed_env = data_parallel_env(ds)
-        world = ds.distributed_env.world_size
-        # training: every rank the same number of batches (its gradient all-reduce stays in step); validation:
-        # every block scored once over the ranks (the metrics are summed once, at the end), so 1 and N ranks score
-        # the same set, as long as every rank gets a batch (else equal shares: a rank without one would skip the sum)
-        if world > 1 and (split == "train" or self.info.get("val_blocks", 0) < world * self.cfg.batch_size):
-            ds.set_drop_last(True)
+        if ds.distributed_env.world_size > 1:
+            ds.set_drop_last(True)  # every rank the same number of batches (its collectives stay in step)
         return ds
 
     def _collate(self) -> BlockBatch:

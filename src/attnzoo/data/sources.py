@@ -108,12 +108,21 @@ def check_file(path: Path, field: str) -> None:
         import pyarrow.parquet as pq  # datasets' dependency, only for parquet inputs
 
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         except Exception as e:
             raise ConfigError(f"{path} is not a parquet file ({str(e).splitlines()[0][:80]})", field="SRC") from None
+        names = schema.names
         if field not in names:
             raise ConfigError(f"{path} has no column {field!r} (its columns: {', '.join(names[:8])}); allowed: "
                               f"--text-field NAME", field="--text-field")
+        kind = schema.field(field).type
+        kind = getattr(kind, "value_type", kind)  # a dictionary-encoded column: its values' type
+        if not str(kind).startswith(("string", "large_string")):  # was: every row skipped, "holds no document"
+            text_cols = [n for n in names if str(getattr(schema.field(n).type, "value_type", schema.field(n).type))
+                         .startswith(("string", "large_string"))]
+            raise ConfigError(f"{path} column {field!r} holds {kind}, not text (its text columns: "
+                              f"{', '.join(text_cols[:8]) or 'none'}); allowed: --text-field NAME of a string column",
+                              field="--text-field")
 
 
 def _zst_lines(path: Path):

@@ -60,6 +60,9 @@ def check_consolidate_paths(src: str | Path, dst: str | Path) -> Path:
           f".metadata); allowed: a trainer=fsdp run's checkpoints/last.ckpt or best.ckpt")
     dst = Path(dst)
     check(not dst.is_dir(), "DST", f"{dst} is a directory; allowed: a file path (e.g. model.ckpt)")
+    inside = Path(src).resolve()  # a file of SRC itself (meta.pt: was overwritten, the sharded checkpoint lost)
+    check(inside not in dst.absolute().resolve().parents, "DST", f"{dst} is inside SRC {src}, which the file would "
+          f"overwrite or join; allowed: a path outside the checkpoint folder (e.g. model.ckpt)")
     why = unwritable(dst)  # under a file, or a read-only folder: refused before the checkpoint is read
     check(why is None, "DST", f"{dst} cannot be written ({why}); allowed: a path under a writable directory")
     return dst

@@ -14,7 +14,7 @@ from typing import Optional
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.machine import no_cuda_reason
 from attnzoo.config.paths import unwritable
-from attnzoo.distributed.checkpoint_files import check_checkpoint_file, is_sharded_checkpoint
+from attnzoo.distributed.checkpoint_files import META, check_checkpoint_file, is_sharded_checkpoint
 
 KV_FLAGS = ("--kv-cache-dtype", "--kv-group-size", "--kv-residual")
 # the device types torch.device() parses (c10/core/DeviceType.cpp); which of them this machine has is torch's call
@@ -38,6 +38,8 @@ def device_arg(ap: argparse.ArgumentParser) -> None:
 def resolve_checkpoint(path: str | Path, best: bool = False) -> Path:
     """A run dir (its checkpoints/last.ckpt, or best.ckpt) or a checkpoint (a file, or a sharded folder)."""
     p = Path(path).expanduser()
+    if p.is_dir() and not is_sharded_checkpoint(p) and ((p / META).exists() or any(p.glob("*.distcp"))):
+        check_checkpoint_file(p, field="checkpoint")  # a sharded folder whose save did not finish: that, not "no run"
     if p.is_dir() and not is_sharded_checkpoint(p):  # a run dir (a sharded checkpoint, trainer=fsdp, is a folder too)
         ck = p / "checkpoints" / ("best.ckpt" if best else "last.ckpt")
         if not ck.exists():
@@ -83,6 +85,28 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
         raise ConfigError(f"must be in (0, 1] (1: no nucleus cut), got {top_p}", field="--top-p")
 
 
+def read_prompts(path: Path) -> str:
+    """A --prompts file's text (was: a UnicodeDecodeError traceback for a file that is not UTF-8)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (invalid byte at offset {e.start}); allowed: a UTF-8 text file "
+                          f"with one prompt per line", field="--prompts") from None
+
+
+def precheck_kv_format(args: argparse.Namespace) -> None:
+    """The KV-cache flags' own values (a dtype, G >= 1, R >= 0) before the checkpoint is read (was: after loading
+    it); what needs the run (its layers, its head_dim, its own inference section) is checked once it is loaded."""
+    from attnzoo.mixers.kv_format import KVFormat
+
+    given = [args.kv_cache_dtype, args.kv_group_size, args.kv_residual]
+    if any(v is not None for v in given):
+        d = KVFormat()
+        KVFormat(given[0] or d.dtype, d.group_size if given[1] is None else given[1],
+                 d.residual if given[2] is None else given[2]).check(fields=KV_FLAGS)
+
+
 def precheck_checkpoint(path: str, best: bool) -> None:
     """The checkpoint's path and file (a truncated zip, a folder without its index): before torch reads it."""
     ckpt = resolve_checkpoint(path, best)
@@ -121,13 +145,18 @@ def precheck_generate(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"must be >= 1, got {args.batch_size}", field="--batch-size")
     if (args.prompt is None) == (args.prompts is None):
         raise ConfigError("give one of PROMPT or --prompts FILE", field="prompt")
+    if args.prompts is not None and args.prompts.is_dir():
+        raise ConfigError(f"{args.prompts} is a directory; allowed: a text file with one prompt per line",
+                          field="--prompts")
     if args.prompts is not None and not args.prompts.is_file():
         raise ConfigError(f"{args.prompts} does not exist", field="--prompts")
     if args.max_new_tokens < 1:
         raise ConfigError(f"must be >= 1, got {args.max_new_tokens}", field="--max-new-tokens")
     check_sampling(args.temperature, args.top_k, args.top_p)
     precheck_device(args.device)
-    prompts = [args.prompt] if args.prompt is not None else [p for p in args.prompts.read_text().splitlines() if p.strip()]
+    precheck_kv_format(args)
+    prompts = [args.prompt] if args.prompt is not None else \
+        [p for p in read_prompts(args.prompts).splitlines() if p.strip()]
     if not prompts:
         raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
                           field="--prompts")
@@ -178,6 +207,7 @@ def precheck_eval(args: argparse.Namespace) -> None:
                           field="--max-batches")
     check_out_file(args.out)
     precheck_device(args.device)
+    precheck_kv_format(args)
     if args.text is not None and not args.text.exists():
         raise ConfigError(f"{args.text} does not exist; allowed: a text file or a folder of text files", field="--text")
     precheck_checkpoint(args.run, args.best)

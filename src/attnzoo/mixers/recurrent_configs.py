@@ -11,6 +11,17 @@ from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.mixers.spec import MixerSpec, validate_conv
 
 
+def check_init_ranges(cfg, field: str) -> None:
+    """Mamba-2's decay init (Mamba2Config, GatedDeltaNetConfig): A_init_range and dt_init_range two finite numbers
+    0 < low <= high (A ~ U(range), A_log = log A; dt ~ logU(range)); a list of another length was an unpacking
+    traceback, [0, 16] an A_log of -inf."""
+    for key in ("A_init_range", "dt_init_range"):
+        span = list(getattr(cfg, key))
+        if not (len(span) == 2 and all(math.isfinite(v) for v in span) and 0 < span[0] <= span[1]):
+            raise ConfigError(f"must be [low, high] with 0 < low <= high, got {span}; allowed: two finite numbers, "
+                              f"e.g. {cfg.__dataclass_fields__[key].default_factory()}", field=f"{field}.{key}")
+
+
 # ----------------------------------------------------------------------------- deltanet
 
 @dataclass
@@ -55,6 +66,10 @@ class GatedDeltaNetConfig(DeltaNetConfig):
     A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range) (Mamba-2)
     dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
 
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        check_init_ranges(self, field)  # were not checked: [0, 16] gave A_log = -inf, a reversed range no error
+
 
 
 # ----------------------------------------------------------------------------- gla
@@ -83,8 +98,9 @@ class GLAConfig(MixerSpec):
         for key in ("chunk_size", "gate_low_rank_dim"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
-        if self.gate_logit_normalizer <= 0:
-            raise ConfigError(f"must be > 0, got {self.gate_logit_normalizer}", field=f"{field}.gate_logit_normalizer")
+        if not (self.gate_logit_normalizer > 0 and math.isfinite(self.gate_logit_normalizer)):  # NaN, inf too
+            raise ConfigError(f"must be > 0, got {self.gate_logit_normalizer}; allowed: a finite positive number "
+                              f"(16: fla's)", field=f"{field}.gate_logit_normalizer")
         validate_conv(self, field)
 
 
@@ -183,12 +199,10 @@ class Mamba2Config(MixerSpec):
             raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
         if (inner // p) % self.n_groups:
             raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
-        for key in ("A_init_range", "dt_init_range"):
-            lo, hi = getattr(self, key)
-            if not 0 < lo <= hi:
-                raise ConfigError(f"must be [low, high] with 0 < low <= high, got {[lo, hi]}", field=f"{field}.{key}")
-        if self.dt_init_floor < 0:
-            raise ConfigError(f"must be >= 0, got {self.dt_init_floor}", field=f"{field}.dt_init_floor")
+        check_init_ranges(self, field)
+        if not (self.dt_init_floor >= 0 and math.isfinite(self.dt_init_floor)):  # NaN too
+            raise ConfigError(f"must be >= 0, got {self.dt_init_floor}; allowed: a finite number >= 0 (1e-4: "
+                              f"mamba_ssm's)", field=f"{field}.dt_init_floor")
         validate_conv(self, field)
 
 
@@ -271,8 +285,6 @@ class RWKV7Config(MixerSpec):
             if value is not None and value < 1:
                 raise ConfigError(f"must be >= 1{'' if key == 'chunk_size' else ' or null'}, got {value}",
                                   field=f"{field}.{key}")
-        if self.norm_eps <= 0:
-            raise ConfigError(f"must be > 0, got {self.norm_eps}", field=f"{field}.norm_eps")
         span = self.decay_init_range
         if span is not None and not (len(span) == 2 and MIN_DECAY < span[0] <= span[1] < 1):
             raise ConfigError(f"must be null or [low, high] per-token decays with {MIN_DECAY:.5f} < low <= high < 1, "

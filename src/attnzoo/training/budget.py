@@ -19,6 +19,7 @@ It rewrites container["model"] in place and returns {"budget/target", "budget/pa
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from attnzoo.config.errors import ConfigError
@@ -98,6 +99,10 @@ def _merged(base: dict, over: dict) -> dict:
     return out
 
 
+BUDGET_KEYS = {"params", "match", "count", "tol"}
+COUNTS = ("non_embedding", "total")
+
+
 def check_budget(budget: Any) -> None:
     """The `model_budget` section's shape (torch-free: the config checks call it before any work); null: none."""
     if budget is None:
@@ -111,6 +116,31 @@ def check_budget(budget: Any) -> None:
     if "match" in budget and (not isinstance(budget["match"], dict) or not budget["match"]):
         raise ConfigError(f"got {budget['match']!r}; allowed: model keys of the reference, e.g. {{pattern: [gqa]}}",
                           field="model_budget.match")
+    # each value as the search reads it (was: an unknown key ignored, a negative target trained a model of width 1,
+    # a string or NaN a ValueError traceback, a bad count / tol refused only after the data was set up)
+    unknown = sorted(set(budget) - BUDGET_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key; allowed keys: {', '.join(sorted(BUDGET_KEYS))}",
+                          field=f"model_budget.{unknown[0]}")
+    if "params" in budget:
+        n = budget["params"]
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n >= 1):
+            raise ConfigError(f"got {n!r}; allowed: a parameter count >= 1, e.g. 200000 or 1.2e6",
+                              field="model_budget.params")
+    if "match" in budget:
+        from attnzoo.config.schema import ModelConfig, _fields
+
+        keys = {f.name for f in _fields(ModelConfig)}
+        bad = sorted(set(budget["match"]) - keys)
+        if bad:
+            raise ConfigError(f"not a model key; allowed keys: {', '.join(sorted(keys))}",
+                              field=f"model_budget.match.{bad[0]}")
+    count = budget.get("count", "non_embedding")
+    if count not in COUNTS:
+        raise ConfigError(f"got {count!r}; allowed: {', '.join(COUNTS)}", field="model_budget.count")
+    tol = budget.get("tol", 0.02)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol > 0):
+        raise ConfigError(f"got {tol!r}; allowed: a relative tolerance > 0, e.g. 0.02 (2%)", field="model_budget.tol")
 
 
 def budget_target(model_cfg: dict, vocab_size: int, budget: dict) -> int:

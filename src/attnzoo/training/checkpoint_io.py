@@ -121,9 +121,16 @@ def check_checkpoint(path: str | Path, field: str = "ckpt_path", weights: bool =
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{path} cannot be loaded ({first[:160]})", field=field) from None
+    if not isinstance(state, dict):  # torch.save of a tensor or a list (was: a traceback from `in` on a Tensor)
+        raise ConfigError(f"{path} is not a training checkpoint (it holds an object of type {type(state).__name__}, "
+                          f"not a dict with state_dict and global_step); allowed: a checkpoint attnzoo-train wrote",
+                          field=field)
     missing = [k for k in ("state_dict", "global_step") if k not in state]
     if missing:
         raise ConfigError(f"{path} is not a training checkpoint (missing {', '.join(missing)})", field=field)
+    if not isinstance(state["state_dict"], dict):
+        raise ConfigError(f"{path} is not a training checkpoint (its state_dict is of type "
+                          f"{type(state['state_dict']).__name__}, not a dict of tensors)", field=field)
     return state
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from attnzoo.config.schema import (IMPLS, InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge, layer_mixer_configs,
-                     resolve_model, tagged)
+from attnzoo.config.schema import (IMPLS, FSDPConfig, InferenceConfig, ModelConfig, TrainConfig, TrainerConfig, _merge,
+                                   layer_mixer_configs, resolve_model, tagged)
 from attnzoo.data import DATAMODULES
 from attnzoo.distributed.checkpoint_files import check_checkpoint_file, checkpoint_file
 from attnzoo.config.errors import ConfigError, check, check_choice
@@ -77,9 +78,15 @@ def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
     host offload for GPU runs only (several nodes need torchrun / srun: launch.check_launchable). fsdp.param_dtype with an autocast
     precision (bf16-mixed) is allowed: the weights are gathered in param_dtype, autocast picks each op's dtype."""
     strategy = str(t.strategy or "auto")
-    if strategy != "fsdp":
-        return
     f = t.fsdp
+    if strategy != "fsdp":  # the section is read by trainer.strategy=fsdp only: a value set beside another is ignored
+        as_yaml = {None: "null", True: "true", False: "false"}.get
+        for key, default in asdict(FSDPConfig()).items():
+            value = getattr(f, key)
+            check(value == default, f"trainer.fsdp.{key}", f"{as_yaml(value, value)} is read with "
+                  f"trainer.strategy=fsdp only, and this run's strategy is {strategy}; allowed: trainer=fsdp_cpu (or "
+                  f"trainer=fsdp on GPUs) with it, or {as_yaml(default, default)} (the default)")
+        return
     for key in ("param_dtype", "reduce_dtype"):
         check(getattr(f, key) in (None, "bf16", "fp16", "fp32"), f"trainer.fsdp.{key}",
               f"got {getattr(f, key)!r}; allowed: null (the parameters' own dtype), bf16, fp16, fp32")
@@ -90,6 +97,16 @@ def _check_fsdp(t: TrainerConfig, model: ModelConfig) -> None:
           f"{', '.join(FSDP_PRECISIONS)}")
     check(not (f.cpu_offload and t.accelerator == "cpu"), "trainer.fsdp.cpu_offload",
           "true on a CPU run (the parameters are in host memory already); allowed: false")
+
+
+def _check_fsdp_flags(container: dict) -> None:
+    """trainer.fsdp's two switches as given, before the schema's bool conversion (which read
+    reshard_after_forward=2, FSDP2's integer form, as true)."""
+    raw = (container.get("trainer") or {}).get("fsdp") or {}
+    for key in ("reshard_after_forward", "cpu_offload"):
+        value = raw.get(key, False) if isinstance(raw, dict) else False
+        check(isinstance(value, bool), f"trainer.fsdp.{key}", f"got {value!r}; allowed: true or false"
+              + (" (FSDP2's integer reshard group sizes are not wired here)" if key == "reshard_after_forward" else ""))
 
 
 def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
@@ -142,6 +159,23 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
         short = [L for L in lengths if L < 4 * pairs]
         check(not short, "eval.context_lengths", f"{short} cannot hold {pairs} key-value pairs and their "
               f"queries; allowed: >= {4 * pairs}")
+
+
+def _check_sample_and_perf(run: Any) -> None:
+    """The end-of-run sample (`sample`, as attnzoo-generate's flags) and measurement (`perf`): checked with the rest
+    (was: a negative temperature, top_k or max_new_tokens, a top_p outside (0, 1] or a non-positive peak_flops
+    passed silently after training, a negative perf.decode_tokens ended the finished run in an IndexError)."""
+    s, p = run.sample, run.perf
+    check(s.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0 (0: no sample), got {s.max_new_tokens}")
+    check(s.temperature >= 0, "sample.temperature", f"must be >= 0 (0: greedy), got {s.temperature}")  # NaN too
+    check(s.top_k is None or s.top_k >= 0, "sample.top_k", f"must be >= 0 or null (0 / null: no top-k cut), got "
+          f"{s.top_k}")
+    check(s.top_p is None or 0 < s.top_p <= 1, "sample.top_p", f"must be in (0, 1] or null (1 / null: no nucleus "
+          f"cut), got {s.top_p}")
+    check(p.decode_tokens >= 0, "perf.decode_tokens", f"must be >= 0 (0: no decode steps timed), got "
+          f"{p.decode_tokens}")
+    check(p.peak_flops is None or (p.peak_flops > 0 and math.isfinite(p.peak_flops)), "perf.peak_flops",
+          f"must be a finite positive FLOP/s or null (measured / the device table), got {p.peak_flops}")
 
 
 def _check_seq_len(model: ModelConfig, data: Any) -> None:
@@ -308,6 +342,7 @@ def validate(cfg: DictConfig) -> dict:
     data_node = container.pop("data", None)
     logger_node = container.pop("logger", None)
     callbacks_node = container.pop("callbacks", None)
+    _check_fsdp_flags(container)
     run: TrainConfig = _merge(TrainConfig, container, "")
     model = resolve_model(model_node)
     family = family_of(model)
@@ -342,6 +377,7 @@ def validate(cfg: DictConfig) -> dict:
     check(getattr(data, "num_workers", 0) >= 0, "data.num_workers", f"must be >= 0, got {getattr(data, 'num_workers', 0)}")
     check_choice(run.on_nonfinite, "on_nonfinite", ("stop", "skip", "ignore"))
     _check_eval(run.eval, model, data)
+    _check_sample_and_perf(run)
     _check_inference(run.inference, model, data)
     _check_context_parallel(run.trainer, model, data)
     _check_packing(run, model, data)

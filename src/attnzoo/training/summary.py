@@ -143,8 +143,9 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
             and trainer.is_global_zero):
         ids = torch.tensor([dm.encode(run.sample.prompt)], device=lit.device)
         g = torch.Generator(device=lit.device).manual_seed(run.seed)
-        outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,
-                              top_k=run.sample.top_k, top_p=run.sample.top_p, generator=g, **inference_kv(run))
+        outp = model.generate(ids, run.sample.max_new_tokens, temperature=run.sample.temperature,  # top_k 0: no
+                              top_k=run.sample.top_k or None, top_p=run.sample.top_p, generator=g,  # cut (--top-k 0)
+                              **inference_kv(run))
         sample = dm.decode(outp[0].tolist())
     return {
         "status": "ok",
