@@ -69,6 +69,7 @@ def test_train_loss_falls_and_writes_summary(tmp_path):
 
 def test_resume_continues_from_saved_step(tmp_path):
     first = tmp_path / "a"
+    FAST = [*globals()["FAST"], "scheduler=constant"]  # extended 8 -> 12 -> 14: a schedule the length does not stretch
     train(compose_cfg(FAST + ["trainer.max_steps=8", "trainer.val_check_interval=4"], first))
     ckpt = first / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, map_location="cpu", weights_only=False)

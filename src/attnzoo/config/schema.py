@@ -335,20 +335,6 @@ def _check_mixer_sizes(mc, field: str) -> None:
                           field=f"{field}.norm_eps")
 
 
-def _check_positions_reach_a_layer(cfg: "ModelConfig", mixers: list) -> None:
-    """ALiBi biases the attention scores of mha / gqa / mqa layers (mixers/attention.py); a model none of whose
-    layers is one trained with no position information at all, silently (retnet, mamba2, ... with alibi)."""
-    if cfg.position.name != "alibi" or cfg.name != "decoder":
-        return
-    from attnzoo.mixers.configs import AttentionConfig
-
-    if not any(isinstance(mc, AttentionConfig) for mc in mixers):
-        names = ", ".join(dict.fromkeys(mc.name for mc in mixers))
-        raise ConfigError(f"alibi biases the attention scores of mha / gqa / mqa layers, and none of this model's "
-                          f"layers ({names}) is one: it would train without positions; allowed: rope, sinusoidal, "
-                          f"learned, none", field="model.position.name")
-
-
 def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
     """Validate a model section and return the typed `ModelConfig` (mixer/ffn typed too, `layers` resolved)."""
     from attnzoo.config.registry import FFNS, MIXERS
@@ -411,7 +397,6 @@ def resolve_model(node: Any, vocab_size: int | None = None) -> ModelConfig:
         _check_mixer_sizes(mc, f"model.layers[{i}].mixer")
         if hasattr(mc, "validate"):
             mc.validate(cfg, field=f"model.layers[{i}].mixer")
-    _check_positions_reach_a_layer(cfg, mixers)
     if hasattr(cfg.ffn, "validate"):
         cfg.ffn.validate(cfg, field="model.ffn")
     return cfg

@@ -161,6 +161,20 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
               f"queries; allowed: >= {4 * pairs}")
 
 
+def _check_positions_reach_a_layer(cfg: ModelConfig, mixers: list) -> None:
+    """ALiBi biases the attention scores of mha / gqa / mqa layers (mixers/attention.py); a model none of whose
+    layers is one trained with no position information at all, silently (retnet, mamba2, ... with alibi)."""
+    if cfg.position.name != "alibi" or cfg.name != "decoder":
+        return
+    from attnzoo.mixers.configs import AttentionConfig
+
+    if not any(isinstance(mc, AttentionConfig) for mc in mixers):
+        names = ", ".join(dict.fromkeys(mc.name for mc in mixers))
+        raise ConfigError(f"alibi biases the attention scores of mha / gqa / mqa layers, and none of this model's "
+                          f"layers ({names}) is one: it would train without positions; allowed: rope, sinusoidal, "
+                          f"learned, none", field="model.position.name")
+
+
 def _check_sample_and_perf(run: Any) -> None:
     """The end-of-run sample (`sample`, as attnzoo-generate's flags) and measurement (`perf`): checked with the rest
     (was: a negative temperature, top_k or max_new_tokens, a top_p outside (0, 1] or a non-positive peak_flops
@@ -345,6 +359,7 @@ def validate(cfg: DictConfig) -> dict:
     _check_fsdp_flags(container)
     run: TrainConfig = _merge(TrainConfig, container, "")
     model = resolve_model(model_node)
+    _check_positions_reach_a_layer(model, layer_mixer_configs(model))
     family = family_of(model)
     if family.check_model is not None:  # the family's own options (model.encdec)
         family.check_model(model_node)
