@@ -69,19 +69,19 @@ def test_train_loss_falls_and_writes_summary(tmp_path):
 
 def test_resume_continues_from_saved_step(tmp_path):
     first = tmp_path / "a"
-    FAST = [*globals()["FAST"], "scheduler=constant"]  # extended 8 -> 12 -> 14: a schedule the length does not stretch
-    train(compose_cfg(FAST + ["trainer.max_steps=8", "trainer.val_check_interval=4"], first))
+    base = [*FAST, "scheduler=constant"]  # extended 8 -> 12 -> 14: a schedule the length does not stretch
+    train(compose_cfg(base + ["trainer.max_steps=8", "trainer.val_check_interval=4"], first))
     ckpt = first / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["global_step"] == 8
     second = tmp_path / "b"
-    train(compose_cfg(FAST + ["trainer.max_steps=12", "trainer.val_check_interval=4", f"ckpt_path={ckpt}"], second))
+    train(compose_cfg(base + ["trainer.max_steps=12", "trainer.val_check_interval=4", f"ckpt_path={ckpt}"], second))
     summary = json.loads((second / "summary.json").read_text())
     assert summary["global_step"] == 12
     steps = [int(r["step"]) for r in read_metrics(second) if r.get("train/loss")]
     assert steps and min(steps) >= 8  # the resumed run logs only the new steps
     # `ckpt_path=last` finds this run dir's own last.ckpt
-    train(compose_cfg(FAST + ["trainer.max_steps=14", "trainer.val_check_interval=4", "ckpt_path=last"], second))
+    train(compose_cfg(base + ["trainer.max_steps=14", "trainer.val_check_interval=4", "ckpt_path=last"], second))
     assert json.loads((second / "summary.json").read_text())["global_step"] == 14
 
 
