@@ -96,6 +96,33 @@ class SlidingWindowConfig(AttentionConfig):
                               field=f"{field}.sink_tokens")
 
 
+# ----------------------------------------------------------------------------- fox
+
+@dataclass
+class ForgettingAttentionConfig(AttentionConfig):
+    """FoX (Lin et al. 2025, arXiv:2503.02130): softmax attention whose scores carry a data-dependent forget
+    bias (mixers/forgetting.py). The paper's defaults: a forget gate per head (a biased d_model -> n_heads
+    projection), no RoPE, no output gate, no q/k norm (its "Pro" block adds both, plus a key/value shift: here
+    `output_gate`, `qk_norm` and the input conv `conv_size`)."""
+    context_parallel = False  # the forget bias spans the ring's blocks: no ring form here
+    full_causal_attention = False
+    kv_quantizable = False  # its cache keeps each key's log forget gate beside the keys
+    bidirectional = False  # causal only (validate)
+    name: str = "fox"
+    # apply the model's RoPE to q / k as well (the paper's "FoX with RoPE" ablation); false: the forget gate is
+    # the only position signal, as the paper's FoX (model.position=rope then leaves this layer unrotated)
+    use_rope: bool = False
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        if model.position.name == "alibi":
+            raise ConfigError("fox's forget gate is its own (data-dependent) distance bias; allowed positions for "
+                              "fox: rope, none, sinusoidal, learned", field="model.position.name")
+        if not self.causal:
+            raise ConfigError("fox is causal only (the forget gate decays the past); allowed: true",
+                              field=f"{field}.causal")
+
+
 # ----------------------------------------------------------------------------- block_sparse
 
 @dataclass
@@ -226,7 +253,7 @@ class MLAConfig(MixerSpec):
 for _name, _config, _module in (
         ("mha", AttentionConfig, "attention"), ("gqa", AttentionConfig, "attention"), ("mqa", AttentionConfig, "attention"),
         ("sliding_window", SlidingWindowConfig, "attention"), ("moba", MoBAConfig, "moba"), ("nsa", NSAConfig, "nsa"),
-        ("mla", MLAConfig, "mla"), ("deltanet", DeltaNetConfig, "deltanet"),
+        ("mla", MLAConfig, "mla"), ("fox", ForgettingAttentionConfig, "forgetting"), ("deltanet", DeltaNetConfig, "deltanet"),
         ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
         ("linear_attention", LinearAttentionConfig, "linear_attention"), ("mamba2", Mamba2Config, "mamba2"),
         ("retnet", RetNetConfig, "retnet"), ("rwkv7", RWKV7Config, "rwkv7")):
