@@ -114,7 +114,7 @@ RECURRENT = {
     "retnet": {"name": "retnet"}, "retnet-C8": {"name": "retnet", "chunk_size": 8},
     "hgrn2-C8": {"name": "hgrn2", "chunk_size": 8}, "hgrn2-C4+conv3": {"name": "hgrn2", "chunk_size": 4, "conv_size": 3},
     "mamba2-C8": {"name": "mamba2", "chunk_size": 8, "n_groups": 2}, "mamba2": {"name": "mamba2", "d_state": 16},
-    "rwkv7-C8": {"name": "rwkv7", "chunk_size": 8},
+    "rwkv7-C8": {"name": "rwkv7", "chunk_size": 8}, "kda-C8": {"name": "kda", "chunk_size": 8},
     "rwkv7-C4+conv3-dv6": {"name": "rwkv7", "chunk_size": 4, "conv_size": 3, "head_dim": 4, "v_head_dim": 6},
 }
 
@@ -129,7 +129,7 @@ def test_recurrent_flops_exact_for_the_chunkwise_form(name, L):
     with counter() as fc:
         mixer(_inputs(m, L, requires_grad=True), positions=torch.arange(L))
     counted = fc.get_total_flops()
-    if "delta" in name or name.startswith("rwkv7"):  # rwkv7: the generalized delta rule's UT transform
+    if "delta" in name or name.startswith(("rwkv7", "kda")):  # rwkv7, kda: the generalized delta rule's UT transform
         C = min(mixer.chunk_size, L)
         counted += mixer.n_v_heads * C * C / 3 * L
     assert counted == pytest.approx(mixer.flops_per_token(L) * L, rel=1e-12)
@@ -201,7 +201,7 @@ def test_recurrent_flops_convention_partial_chunk_and_inference(name):
     """The convention the training and the inference counts share (docs/benchmarks.md, "FLOPs convention"): one
     figure, the chunkwise training forward per token at whole chunks. A padded last chunk (T not a multiple of the
     chunk) is implementation work, not model FLOPs: it adds at most the padded tokens' own cost, and nothing at whole
-    chunks. Under no_grad the same matmuls run, except the delta-rule family's (deltanet, gated_deltanet, rwkv7)
+    chunks. Under no_grad the same matmuls run, except the delta-rule family's (deltanet, gated_deltanet, rwkv7, kda)
     chunk solve, which solves directly instead of forming the inverse: fewer FLOPs than the shared figure."""
     m, mixer = mixer_of(RECURRENT[name])
     L = 20
@@ -212,7 +212,7 @@ def test_recurrent_flops_convention_partial_chunk_and_inference(name):
         with torch.set_grad_enabled(grad), counter() as fc:
             mixer(_inputs(m, L, requires_grad=grad), positions=torch.arange(L))
         counted[grad] = fc.get_total_flops()
-    delta = "delta" in name or name.startswith("rwkv7")
+    delta = "delta" in name or name.startswith(("rwkv7", "kda"))
     shared = mixer.flops_per_token(L) * L
     training = counted[True] + (mixer.n_v_heads * C * C / 3 * (L + pad) if delta else 0)  # the unseen inverse
     if pad == 0:

@@ -86,10 +86,10 @@ def test_gates_at_one_give_softmax_attention():
     with torch.no_grad():
         for mixer in m.mixers:
             mixer.f_proj.weight.zero_()
-            mixer.f_proj.bias.fill_(1e4)  # sigmoid(1e4) == 1 in fp64: log f == 0
+            mixer.f_bias.fill_(1e4)  # sigmoid(1e4) == 1 in fp64: log f == 0
         fox = m(x)
         for mixer in m.mixers:
-            mixer.f_proj.bias.fill_(-1e4)
+            mixer.f_bias.fill_(-1e4)
         forgetting = m(x)
         for mixer in m.mixers:  # the same layer through plain causal SDPA
             mixer.forget_attend = lambda q, k, v, log_f, mask=None, mixer=mixer: mixer.attend(q, k, v, 0)
@@ -103,3 +103,13 @@ def test_no_rope_unless_asked():
     unrotated unless use_rope=true."""
     assert all(mx.rope is None for mx in _model().mixers)
     assert all(mx.rope is not None for mx in _model(use_rope=True).mixers)
+
+
+def test_decay_time_range_sets_each_heads_initial_memory():
+    """decay_time_range [2, 200]: for a zero input head h forgets at exp(-1 / t_h), t_h log-spaced 2 .. 200."""
+    m = _model(decay_time_range=[2.0, 200.0])
+    mixer = m.mixers[0]
+    f = torch.sigmoid(mixer.f_bias)
+    t = torch.exp(torch.linspace(torch.log(torch.tensor(2.0)), torch.log(torch.tensor(200.0)), mixer.n_heads))
+    torch.testing.assert_close(-1 / torch.log(f), t.double(), rtol=1e-5, atol=0)  # the bias is built in fp32
+    assert (_model().mixers[0].f_bias == 0).all()  # the paper's default

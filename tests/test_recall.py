@@ -15,7 +15,10 @@ EASY = ["experiment=mqar", "data.seq_len=32", "data.num_kv_pairs=4", "model.d_mo
 
 @pytest.mark.parametrize("mixer", ["gqa", "deltanet"])
 def test_shipped_recipe_learns_easy_mqar(tmp_path, mixer):
-    metrics = train(compose_cfg(EASY + [f"model/mixer={mixer}"], tmp_path / mixer))
+    """The recipe's trajectory (cosine over its 400 steps) stopped once it holds what is asserted: early stop at
+    95% instead of the recipe's 99% (deltanet passes 95% well before 99%: the time of this test halves)."""
+    metrics = train(compose_cfg(EASY + [f"model/mixer={mixer}", "callbacks.early_stop.threshold=0.95"],
+                                tmp_path / mixer))
     assert metrics["val/acc"] >= 0.95, metrics
 
 

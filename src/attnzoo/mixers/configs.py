@@ -10,13 +10,14 @@ the registry imports it before listing the names, and asks its class for the fac
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import MIXERS
 from attnzoo.mixers.recurrent_configs import (FEATURE_MAPS, LOG_DECAY_SCALE, MIN_DECAY,  # noqa: F401 (re-exported)
-                                              DeltaNetConfig, GatedDeltaNetConfig, GLAConfig, HGRN2Config,
+                                              DeltaNetConfig, GatedDeltaNetConfig, GLAConfig, HGRN2Config, KDAConfig,
                                               LinearAttentionConfig, Mamba2Config, RetNetConfig, RWKV7Config)
 from attnzoo.mixers.spec import MixerSpec, validate_conv  # noqa: F401 (re-exported)
 
@@ -112,9 +113,17 @@ class ForgettingAttentionConfig(AttentionConfig):
     # apply the model's RoPE to q / k as well (the paper's "FoX with RoPE" ablation); false: the forget gate is
     # the only position signal, as the paper's FoX (model.position=rope then leaves this layer unrotated)
     use_rope: bool = False
+    # null: the gate's bias starts at 0 (f = 1/2 for a zero input: the paper's data-dependent gate); [t_min, t_max]:
+    # head h's bias starts at logit(exp(-1 / t_h)), t_h log-spaced from t_min to t_max tokens (the paper's init of
+    # its data-independent gates; a memory of t_h tokens at init, which retrieval over long gaps needs to start)
+    decay_time_range: Optional[List[float]] = None
 
     def validate(self, model, field: str) -> None:
         super().validate(model, field)
+        span = self.decay_time_range
+        if span is not None and not (len(span) == 2 and all(math.isfinite(v) for v in span) and 0 < span[0] <= span[1]):
+            raise ConfigError(f"must be null or [t_min, t_max] with 0 < t_min <= t_max (tokens), got {list(span)}",
+                              field=f"{field}.decay_time_range")
         if model.position.name == "alibi":
             raise ConfigError("fox's forget gate is its own (data-dependent) distance bias; allowed positions for "
                               "fox: rope, none, sinusoidal, learned", field="model.position.name")
@@ -254,7 +263,7 @@ for _name, _config, _module in (
         ("mha", AttentionConfig, "attention"), ("gqa", AttentionConfig, "attention"), ("mqa", AttentionConfig, "attention"),
         ("sliding_window", SlidingWindowConfig, "attention"), ("moba", MoBAConfig, "moba"), ("nsa", NSAConfig, "nsa"),
         ("mla", MLAConfig, "mla"), ("fox", ForgettingAttentionConfig, "forgetting"), ("deltanet", DeltaNetConfig, "deltanet"),
-        ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
+        ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("kda", KDAConfig, "kda"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
         ("linear_attention", LinearAttentionConfig, "linear_attention"), ("mamba2", Mamba2Config, "mamba2"),
         ("retnet", RetNetConfig, "retnet"), ("rwkv7", RWKV7Config, "rwkv7")):
     MIXERS.declare(_name, _config, f"attnzoo.mixers.{_module}")

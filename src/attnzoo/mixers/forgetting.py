@@ -8,7 +8,7 @@ the way a gated recurrence does while keeping softmax attention's exact retrieva
 (`use_rope=false`: the forget gate is the position signal); its "Pro" block adds an output gate, q/k norms and a
 key/value shift, offered here as `output_gate`, `qk_norm` and the input conv `conv_size` (which shifts the whole
 input, not k and v only). The gate bias starts at zero (the paper's default, `fgate_bias_init=False`: f = 1/2 at
-init for a zero input).
+init for a zero input); `decay_time_range` starts each head's gate at a chosen memory instead (below).
 
 The cache keeps every key's log forget gate beside its key and value (a KV cache plus n_heads numbers per token),
 and each call sums them from the first key, as the full forward does. Packing is native (a document mask: the sum
@@ -18,6 +18,7 @@ formats, no transformers counterpart; fla's Triton kernel
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -77,11 +78,21 @@ class ForgettingAttention(Attention):
         super().__init__(cfg, model_cfg, layer_idx)
         if not cfg.use_rope:
             self.rope = None
-        self.f_proj = nn.Linear(self.d_model, self.n_heads, bias=True)
+        self.f_proj = nn.Linear(self.d_model, self.n_heads, bias=False)
+        # the gate's bias, a parameter of its own (the model's init zeroes every nn.Linear bias): zero, as the paper's
+        # data-dependent gate; with `decay_time_range` [t_min, t_max] head h starts at f = exp(-1 / t_h), t_h
+        # log-spaced over the heads (the paper's init of its data-independent gates, `fgate_bias_init`)
+        self.f_bias = nn.Parameter(torch.zeros(self.n_heads))
+        if cfg.decay_time_range is not None:
+            lo, hi = cfg.decay_time_range
+            with torch.no_grad():
+                t = torch.exp(torch.linspace(math.log(lo), math.log(hi), self.n_heads))
+                self.f_bias.copy_(-torch.log(torch.expm1(1.0 / t)))  # sigmoid(b) = exp(-1 / t)
+        self.f_bias._no_weight_decay = True
 
     def log_forget(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> (B, H, T) log f = logsigmoid(x W_f + b_f), in at least fp32."""
-        g = self.f_proj(x)
+        g = self.f_proj(x) + self.f_bias.to(x.dtype)
         return F.logsigmoid(g.to(at_least_fp32(g.dtype))).transpose(1, 2)
 
     def forget_attend(self, q, k, v, log_f, mask=None) -> torch.Tensor:

@@ -59,18 +59,19 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head output norm: y = x / sqrt(mean(x^2) + eps) * weight, then * silu(gate) when a gate is
-    given (the gated RMSNorm of Gated DeltaNet / Qwen3-Next's RMSNormGated). Computed in >= fp32."""
+    """Per-head output norm: y = x / sqrt(mean(x^2) + eps) * weight, then * act(gate) when a gate is given:
+    silu (the gated RMSNorm of Gated DeltaNet / Qwen3-Next's RMSNormGated) or sigmoid (Kimi Linear's). >= fp32."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.act = torch.sigmoid if activation == "sigmoid" else F.silu
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = upcast(x)
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
-        return y if gate is None else y * F.silu(upcast(gate))
+        return y if gate is None else y * self.act(upcast(gate))
 
 
 class RecurrentMixer(Mixer):

@@ -72,6 +72,27 @@ class GatedDeltaNetConfig(DeltaNetConfig):
 
 
 
+# ----------------------------------------------------------------------------- kda
+
+@dataclass
+class KDAConfig(DeltaNetConfig):
+    """Kimi Delta Attention (Kimi Linear, 2025; mixers/kda.py): the gated delta rule with a decay per key channel."""
+    fla_kernel = None  # fla's chunk_kda is not wired: every device runs the torch chunkwise form (docs/linear_mixers.md)
+    name: str = "kda"
+    chunk_size: int = 16  # the chunkwise form holds a (C, C, d_k) decay per chunk (a decay per key channel)
+    use_gate: bool = True  # output gate: norm(o) * sigmoid(W_g x) through a low-rank projection (Kimi Linear)
+    A_init_range: List[float] = field(default_factory=lambda: [1.0, 16.0])  # A = exp(A_log) ~ U(range), per head
+    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU, per channel
+    gate_low_rank_dim: Optional[int] = None  # the forget gate's and output gate's rank r (d -> r -> H d); null: d_k
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        check_init_ranges(self, field)
+        if self.gate_low_rank_dim is not None and self.gate_low_rank_dim < 1:
+            raise ConfigError(f"must be >= 1 or null (null: head_dim), got {self.gate_low_rank_dim}",
+                              field=f"{field}.gate_low_rank_dim")
+
+
 # ----------------------------------------------------------------------------- gla
 
 @dataclass

@@ -1,0 +1,111 @@
+"""Kimi Delta Attention (`kda`; Kimi Team 2025, "Kimi Linear: An Expressive, Efficient Attention Architecture",
+arXiv:2510.26692): the gated delta rule of Gated DeltaNet with a decay per key channel instead of one per head,
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,    o_t = d_k^-1/2 S_t^T q_t,
+    log alpha_t = -exp(A_log_h) * softplus(W_f x_t + dt_bias)   (W_f low-rank: d_model -> r -> H d_k; per channel)
+
+(GDN's Diag(alpha_t) is alpha_t I). The layer is transformers' `KimiLinearDeltaAttention` (tested against it): q, k,
+v through one short causal conv + SiLU, q and k L2-normalised, beta = sigmoid(W_b x) per head, output = RMSNorm(o) *
+sigmoid(W_g x) with W_g low-rank (d_model -> r -> H d_v), then o_proj. The rule is the generalized (diagonal plus
+low-rank) delta rule of ops/generalized_delta_rule.py, which RWKV-7 runs:
+
+    S_t = (diag(w_t) + b_t a_t^T) S_{t-1} + k'_t v_t^T   with   w = alpha, a = alpha * k, b = -beta k, k' = beta k,
+
+so its three forms (the per-token recurrence as the reference, the chunkwise WY / UT form, the one-token step) and
+its context-parallel scan and packing resets serve KDA unchanged; fla-core's `naive_recurrent_kda` /
+`naive_chunk_kda` are the independent check (tests/test_kda.py). fla's Triton `chunk_kda` is not wired: every device
+runs the torch chunkwise form.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.configs import KDAConfig
+from attnzoo.mixers.deltanet import DeltaNet
+from attnzoo.mixers.recurrent_base import l2norm, upcast
+from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
+                                                generalized_delta_rule_step)
+
+
+def kda_as_generalized(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> tuple:
+    """KDA's (k, beta, log-decay g) -> the generalized rule's (k', a, b): k' = beta k, a = e^g k, b = -beta k.
+    k, g (..., Dk), beta (...)."""
+    beta = beta[..., None]
+    return beta * k, g.exp() * k, -beta * k
+
+
+@register_mixer("kda", KDAConfig)
+class KimiDeltaAttention(DeltaNet):
+    gated = False  # DeltaNet's per-head gate is not built: the per-channel one is below
+    kernel_family = "other"  # no fla kernel dispatched (fla_kernel None): torch's chunkwise form everywhere
+    linearize_target = False
+    hf_missing = ("the transformers counterpart, KimiLinearForCausalLM, mixes KDA with MLA layers and MoE FFNs: its "
+                  "whole-model import is not built (the layer is tested against transformers' KDA layer)")
+
+    def __init__(self, cfg: KDAConfig, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        h, hv, dk, dv = cfg.sizes(model_cfg)
+        r = cfg.gate_low_rank_dim or dk
+        self.f_proj = nn.Sequential(nn.Linear(self.d_model, r, bias=False), nn.Linear(r, hv * dk, bias=False))
+        lo, hi = cfg.A_init_range
+        self.A_log = nn.Parameter(torch.empty(hv).uniform_(lo, hi).log())  # one rate per head, as Kimi Linear
+        lo, hi = cfg.dt_init_range
+        dt = torch.exp(torch.empty(hv * dk).uniform_(math.log(lo), math.log(hi)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus, per key channel
+        for p in (self.A_log, self.dt_bias):
+            p._no_weight_decay = True
+        if cfg.use_gate:  # low-rank output gate (Kimi Linear's g_a_proj, g_b_proj), sigmoid in the norm
+            self.g_proj = nn.Sequential(nn.Linear(self.d_model, r, bias=False), nn.Linear(r, hv * dv, bias=False))
+        if self.norm is not None:
+            self.norm.act = torch.sigmoid
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """log-decay per key channel, g = -exp(A_log_h) * softplus(W_f x + dt_bias) <= 0: (B, T, Hv, Dk) in >= fp32."""
+        f = upcast(self.f_proj(x)) + self.dt_bias.to(upcast(x).dtype)
+        f = f.unflatten(-1, (self.n_v_heads, self.state_shape[0]))
+        return -self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)
+
+    def mix(self, q, k, v, x, state, mode, resets=None):
+        q, k = l2norm(q), l2norm(k)
+        beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
+        if self.cfg.allow_neg_eigval:
+            beta = 2 * beta
+        g = self.gate(x)  # (B, T, Hv, Dk)
+        if self.group > 1:  # grouped values: consecutive value heads share a q/k head
+            q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
+        kw, a, b = kda_as_generalized(k, beta, g)
+        q, kw, v, a, b, g = (t.transpose(1, 2) for t in (q, kw, v, a, b, g))
+        state = None if state is None else state.to(q.dtype)
+        o, state = self.recur(mode, x, state, resets, q, kw, v, a, b, g)
+        return o.transpose(1, 2), state
+
+    # the generalized delta rule's forms (ops/generalized_delta_rule.py) on k' = beta k, a, b, g (B, H, T, Dk)
+    def step_op(self, q, k, v, a, b, g, *, state):
+        return generalized_delta_rule_step(q, k, v, a, b, g, state)
+
+    def recurrent_op(self, q, k, v, a, b, g, *, state):
+        return generalized_delta_rule_recurrent(q, k, v, a, b, g, state)
+
+    def chunk_op(self, q, k, v, a, b, g, *, state, resets=None):
+        return chunk_generalized_delta_rule(q, k, v, a, b, g, state, chunk_size=self.chunk_size, resets=resets)
+
+    def fla_op(self, q, k, v, a, b, g, *, state, dtype):
+        raise NotImplementedError("kda runs no fla kernel (kernel_family 'other')")
+
+    def op_flops_per_token(self, context_len: int) -> float:
+        """The generalized rule's chunkwise form per value head (as RWKV-7's; C = min(chunk_size, L)), per token:
+        10 C Dk + 8 C Dv + 8 Dk Dv + 2 Dk^2 + 2 Dk^2 Dv / C + C^2/3."""
+        C = max(1, min(self.chunk_size, context_len))
+        dk, dv = self.state_shape
+        per_head = 10 * C * dk + 8 * C * dv + 8 * dk * dv + 2 * dk * dk + 2 * dk * dk * dv / C + C * C / 3
+        return self.n_v_heads * per_head
+
+    def layer_shape(self) -> dict:
+        out = super().layer_shape()
+        out["decay"] = "per key channel"
+        return out
