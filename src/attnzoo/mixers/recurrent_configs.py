@@ -72,6 +72,24 @@ class GatedDeltaNetConfig(DeltaNetConfig):
 
 
 
+# ----------------------------------------------------------------------------- gated_deltaproduct
+
+@dataclass
+class GatedDeltaProductConfig(GatedDeltaNetConfig):
+    """Gated DeltaProduct (Siems et al. 2025; mixers/deltaproduct.py): n_h delta-rule steps per token."""
+    context_parallel = False  # the sub-steps per token: no state-passing form here
+    fla_kernel = None  # fla's gated_delta_product kernels are not wired
+    name: str = "gated_deltaproduct"
+    num_householder: int = 2  # n_h: delta-rule (Householder) steps per token (the paper's n_h = 2; 1 = Gated DeltaNet)
+    chunk_size: int = 16  # tokens per chunk (chunk_size x n_h sub-steps)
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)
+        if self.num_householder < 1:
+            raise ConfigError(f"must be >= 1 (1: Gated DeltaNet), got {self.num_householder}",
+                              field=f"{field}.num_householder")
+
+
 # ----------------------------------------------------------------------------- kda
 
 @dataclass
