@@ -115,7 +115,7 @@ RECURRENT = {
     "hgrn2-C8": {"name": "hgrn2", "chunk_size": 8}, "hgrn2-C4+conv3": {"name": "hgrn2", "chunk_size": 4, "conv_size": 3},
     "mamba2-C8": {"name": "mamba2", "chunk_size": 8, "n_groups": 2}, "mamba2": {"name": "mamba2", "d_state": 16},
     "rwkv7-C8": {"name": "rwkv7", "chunk_size": 8}, "kda-C8": {"name": "kda", "chunk_size": 8},
-    "gated_deltaproduct-C4": {"name": "gated_deltaproduct", "chunk_size": 4},
+    "gated_deltaproduct-C4": {"name": "gated_deltaproduct", "chunk_size": 4}, "gdn2-C8": {"name": "gdn2", "chunk_size": 8},
     "rwkv7-C4+conv3-dv6": {"name": "rwkv7", "chunk_size": 4, "conv_size": 3, "head_dim": 4, "v_head_dim": 6},
 }
 
@@ -130,7 +130,7 @@ def test_recurrent_flops_exact_for_the_chunkwise_form(name, L):
     with counter() as fc:
         mixer(_inputs(m, L, requires_grad=True), positions=torch.arange(L))
     counted = fc.get_total_flops()
-    if "delta" in name or name.startswith(("rwkv7", "kda")):  # rwkv7, kda: the generalized delta rule's UT transform
+    if "delta" in name or name.startswith(("rwkv7", "kda", "gdn2")):  # rwkv7, kda: the generalized delta rule's UT transform
         C = min(mixer.chunk_size, L)
         n = getattr(mixer, "n_householder", 1)  # gated_deltaproduct: n sub-steps per token, chunks of n C
         counted += mixer.n_v_heads * (n * C) ** 2 / 3 * n * L
@@ -214,7 +214,7 @@ def test_recurrent_flops_convention_partial_chunk_and_inference(name):
         with torch.set_grad_enabled(grad), counter() as fc:
             mixer(_inputs(m, L, requires_grad=grad), positions=torch.arange(L))
         counted[grad] = fc.get_total_flops()
-    delta = "delta" in name or name.startswith(("rwkv7", "kda"))
+    delta = "delta" in name or name.startswith(("rwkv7", "kda", "gdn2"))
     shared = mixer.flops_per_token(L) * L
     n = getattr(mixer, "n_householder", 1)  # gated_deltaproduct: n sub-steps per token, chunks of n C
     training = counted[True] + (mixer.n_v_heads * (n * C) ** 2 / 3 * n * (L + pad) if delta else 0)  # the unseen inverse

@@ -134,3 +134,59 @@ def test_decay_is_per_key_channel():
     g = mixer.gate(torch.randn(2, 5, 32))
     assert g.shape == (2, 5, mixer.n_v_heads, mixer.state_shape[0]) and (g <= 0).all()
     assert g.std(-1).min() > 0  # channels of one head decay differently
+
+
+# ----------------------------------------------------------------------------- gdn2
+from attnzoo.mixers.kda import gdn2_as_generalized  # noqa: E402
+
+
+def _gdn2_inputs(seed=1):
+    x = _inputs(T=48, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 10)
+    B, H, T, Dk = x["k"].shape
+    x.pop("beta")
+    x["erase"] = 2 * torch.sigmoid(torch.randn(B, H, T, Dk, generator=gen, dtype=torch.float64))
+    x["write"] = torch.sigmoid(torch.randn(B, H, T, x["v"].shape[-1], generator=gen, dtype=torch.float64))
+    return x
+
+
+def _ours_gdn2(form):
+    def run(q, k, v, g, erase, write, s0):
+        kw, vw, a, b = gdn2_as_generalized(k, erase, write, v, g)
+        if form == "chunk":
+            return chunk_generalized_delta_rule(q, kw, vw, a, b, g, s0, chunk_size=16)
+        return generalized_delta_rule_recurrent(q, kw, vw, a, b, g, s0)
+    return run
+
+
+@pytest.mark.parametrize("theirs", ["naive_recurrent_gdn2", "naive_chunk_gdn2"])
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_parity_fla_naive_gdn2(form, theirs):
+    """fla's GDN-2 references (fp32 inside): outputs, state and the gradients of q, k, v, g, both gates and s0."""
+    naive = _fla_naive("gdn2")
+    x = _gdn2_inputs()
+    t = lambda a: a.transpose(1, 2)  # noqa: E731
+
+    def fla(q, k, v, g, erase, write, s0):
+        kw = dict(chunk_size=16) if theirs == "naive_chunk_gdn2" else {}
+        o, s = getattr(naive, theirs)(t(q), t(k), t(v), t(g), t(erase), t(write), initial_state=s0.clone(),
+                                      output_final_state=True, **kw)
+        return t(o), s
+
+    (o_ref, s_ref), g_ref = outputs_and_grads(fla, x, torch.float32)
+    (o, s), grads = outputs_and_grads(_ours_gdn2(form), x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(_ours_gdn2(form), x)
+    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
+    assert_grads_close(grads, g_ref, g64, theirs)
+
+
+def test_gdn2_with_both_gates_beta_is_kda():
+    """erase = write = beta (one scalar per head and token) is KDA's rule, fp64."""
+    x = _inputs(T=33)
+    beta = x["beta"]
+    o, s = _ours_gdn2("chunk")(x["q"], x["k"], x["v"], x["g"], beta[..., None].expand_as(x["k"]),
+                               beta[..., None].expand_as(x["v"]), x["s0"])
+    o_kda, s_kda = _ours("chunk")(**x)
+    torch.testing.assert_close(o, o_kda, atol=1e-10, rtol=0)
+    torch.testing.assert_close(s, s_kda, atol=1e-10, rtol=0)

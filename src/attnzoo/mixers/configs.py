@@ -18,7 +18,7 @@ from attnzoo.config.errors import ConfigError, check_choice
 from attnzoo.config.registry import MIXERS
 from attnzoo.mixers.recurrent_configs import (FEATURE_MAPS, LOG_DECAY_SCALE, MIN_DECAY,  # noqa: F401 (re-exported)
                                               DeltaNetConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, GLAConfig,
-                                              HGRN2Config, KDAConfig,
+                                              GDN2Config, HGRN2Config, KDAConfig,
                                               LinearAttentionConfig, Mamba2Config, RetNetConfig, RWKV7Config)
 from attnzoo.mixers.spec import MixerSpec, validate_conv  # noqa: F401 (re-exported)
 
@@ -264,7 +264,7 @@ for _name, _config, _module in (
         ("mha", AttentionConfig, "attention"), ("gqa", AttentionConfig, "attention"), ("mqa", AttentionConfig, "attention"),
         ("sliding_window", SlidingWindowConfig, "attention"), ("moba", MoBAConfig, "moba"), ("nsa", NSAConfig, "nsa"),
         ("mla", MLAConfig, "mla"), ("fox", ForgettingAttentionConfig, "forgetting"), ("deltanet", DeltaNetConfig, "deltanet"),
-        ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("kda", KDAConfig, "kda"),
+        ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("kda", KDAConfig, "kda"), ("gdn2", GDN2Config, "kda"),
         ("gated_deltaproduct", GatedDeltaProductConfig, "deltaproduct"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
         ("linear_attention", LinearAttentionConfig, "linear_attention"), ("mamba2", Mamba2Config, "mamba2"),
         ("retnet", RetNetConfig, "retnet"), ("rwkv7", RWKV7Config, "rwkv7")):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.config.registry import register_mixer
-from attnzoo.mixers.configs import KDAConfig
+from attnzoo.mixers.configs import GDN2Config, KDAConfig
 from attnzoo.mixers.deltanet import DeltaNet
 from attnzoo.mixers.recurrent_base import l2norm, upcast
 from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
@@ -108,4 +108,52 @@ class KimiDeltaAttention(DeltaNet):
     def layer_shape(self) -> dict:
         out = super().layer_shape()
         out["decay"] = "per key channel"
+        return out
+
+
+def gdn2_as_generalized(k: torch.Tensor, erase: torch.Tensor, write: torch.Tensor, v: torch.Tensor,
+                        g: torch.Tensor) -> tuple:
+    """GDN-2's (k, erase gate (..., Dk), write gate (..., Dv), v, log-decay g (..., Dk)) -> the generalized rule's
+    (k', v', a, b): the write k (write * v)^T, the removal -k ((erase * k * e^g)^T S). KDA: erase = write = beta."""
+    return k, write * v, erase * g.exp() * k, -k
+
+
+@register_mixer("gdn2", GDN2Config)
+class GatedDeltaNet2(KimiDeltaAttention):
+    """Gated DeltaNet-2 (`gdn2`; fla-core's ops/gdn2): KDA whose scalar beta becomes two channel-wise gates,
+
+        S_t = (I - k_t (b_t * k_t)^T) Diag(alpha_t) S_{t-1} + k_t (w_t * v_t)^T,
+
+    an erase gate b_t per key channel (what the write removes) and a write gate w_t per value channel (how much of
+    each value channel is written); b = w = beta is KDA, and a scalar decay then Gated DeltaNet. The gates here are
+    b = sigmoid(W_b x) (x 2 with `allow_neg_eigval`: fla's "typical range [0, 2]") and w = sigmoid(W_w x), each a
+    full d_model -> H d projection: our choice (the layer of the GDN-2 release is not in fla-core 0.6.0, only its
+    ops), said in docs/linear_mixers.md. The rule runs on the generalized delta rule (gdn2_as_generalized)."""
+
+    hf_missing = "transformers has no Gated DeltaNet-2 counterpart"
+
+    def __init__(self, cfg: GDN2Config, model_cfg, layer_idx: int):
+        super().__init__(cfg, model_cfg, layer_idx)
+        self.b_proj = nn.Linear(self.d_model, self.n_v_heads * self.state_shape[0], bias=False)  # erase, per key channel
+        self.w_proj = nn.Linear(self.d_model, self.n_v_heads * self.v_dim, bias=False)  # write, per value channel
+
+    def mix(self, q, k, v, x, state, mode, resets=None):
+        q, k = l2norm(q), l2norm(k)
+        B, T = x.shape[:2]
+        erase = torch.sigmoid(upcast(self.b_proj(x))).reshape(B, T, self.n_v_heads, self.state_shape[0])
+        if self.cfg.allow_neg_eigval:
+            erase = 2 * erase
+        write = torch.sigmoid(upcast(self.w_proj(x))).reshape(B, T, self.n_v_heads, self.v_dim)
+        g = self.gate(x)
+        if self.group > 1:
+            q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
+        kw, vw, a, b = gdn2_as_generalized(k, erase, write, v, g)
+        q, kw, vw, a, b, g = (t.transpose(1, 2) for t in (q, kw, vw, a, b, g))
+        state = None if state is None else state.to(q.dtype)
+        o, state = self.recur(mode, x, state, resets, q, kw, vw, a, b, g)
+        return o.transpose(1, 2), state
+
+    def layer_shape(self) -> dict:
+        out = super().layer_shape()
+        out["gates"] = "erase per key channel, write per value channel"
         return out

@@ -111,6 +111,12 @@ class KDAConfig(DeltaNetConfig):
                               field=f"{field}.gate_low_rank_dim")
 
 
+@dataclass
+class GDN2Config(KDAConfig):
+    """Gated DeltaNet-2 (mixers/kda.py): KDA with a channel-wise erase gate (key axis) and write gate (value axis)."""
+    name: str = "gdn2"
+
+
 # ----------------------------------------------------------------------------- gla
 
 @dataclass
