@@ -38,19 +38,25 @@ def _ours(form):
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_parity_fla_naive_kda(form, theirs):
     """fla's forms compute in fp32 whatever their input ((B, T, H, D) layout; its chunk form whole chunks of 16)."""
-    naive = _fla_naive("kda")
-    x = _inputs(T=48)
+    _assert_equals_fla(_fla_naive("kda"), theirs, _ours(form), _inputs(T=48))
+
+
+def _assert_equals_fla(naive, theirs: str, ours, x: dict) -> None:
+    """fla's `naive.<theirs>` ((B, T, H, D) layout, its gates after k: g then beta, or g then both gates; chunk forms
+    in chunks of 16) against `ours` on x in fp32: outputs and final state within ours' fp32-vs-fp64 gap, and the
+    gradients w.r.t. every input by name."""
     t = lambda a: a.transpose(1, 2)  # noqa: E731
 
-    def fla(q, k, v, g, beta, s0):
-        kw = dict(chunk_size=16) if theirs == "naive_chunk_kda" else {}
-        o, s = getattr(naive, theirs)(t(q), t(k), t(v), t(g), t(beta), initial_state=s0.clone(),
+    def fla(**leaves):
+        q, k, v, s0 = (leaves.pop(n) for n in ("q", "k", "v", "s0"))
+        kw = dict(chunk_size=16) if "chunk" in theirs else {}
+        o, s = getattr(naive, theirs)(t(q), t(k), t(v), *(t(g) for g in leaves.values()), initial_state=s0.clone(),
                                       output_final_state=True, **kw)
         return t(o), s
 
     (o_ref, s_ref), g_ref = outputs_and_grads(fla, x, torch.float32)
-    (o, s), grads = outputs_and_grads(_ours(form), x, torch.float32)
-    (o64, s64), g64 = outputs_and_grads(_ours(form), x)
+    (o, s), grads = outputs_and_grads(ours, x, torch.float32)
+    (o64, s64), g64 = outputs_and_grads(ours, x)
     torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
     torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
     assert_grads_close(grads, g_ref, g64, theirs)
@@ -163,22 +169,7 @@ def _ours_gdn2(form):
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_parity_fla_naive_gdn2(form, theirs):
     """fla's GDN-2 references (fp32 inside): outputs, state and the gradients of q, k, v, g, both gates and s0."""
-    naive = _fla_naive("gdn2")
-    x = _gdn2_inputs()
-    t = lambda a: a.transpose(1, 2)  # noqa: E731
-
-    def fla(q, k, v, g, erase, write, s0):
-        kw = dict(chunk_size=16) if theirs == "naive_chunk_gdn2" else {}
-        o, s = getattr(naive, theirs)(t(q), t(k), t(v), t(g), t(erase), t(write), initial_state=s0.clone(),
-                                      output_final_state=True, **kw)
-        return t(o), s
-
-    (o_ref, s_ref), g_ref = outputs_and_grads(fla, x, torch.float32)
-    (o, s), grads = outputs_and_grads(_ours_gdn2(form), x, torch.float32)
-    (o64, s64), g64 = outputs_and_grads(_ours_gdn2(form), x)
-    torch.testing.assert_close(o, o_ref, atol=gap_atol(o, o64), rtol=0)
-    torch.testing.assert_close(s, s_ref, atol=gap_atol(s, s64), rtol=0)
-    assert_grads_close(grads, g_ref, g64, theirs)
+    _assert_equals_fla(_fla_naive("gdn2"), theirs, _ours_gdn2(form), _gdn2_inputs())
 
 
 def test_gdn2_with_both_gates_beta_is_kda():
