@@ -315,8 +315,9 @@ def test_decay_init_range_starts_each_heads_channels_in_the_range():
         models.append(DecoderLM(cfg, vocab_size=16).double())
     for paper, layer in zip(*(m.mixers for m in models)):
         h, prev = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
-        with torch.no_grad():
-            w = layer.features(h, prev)[1]  # (B, T, H, dk) log decays: the same at every token at init
+        with torch.no_grad():  # (layer 1 reads layer 0's values for its value residual: any will do for w)
+            w = layer.features(h, prev, {"rwkv7.v_first": torch.zeros(2, 5, H, dk, dtype=torch.float64)})[1]
+            # (B, T, H, dk) log decays: the same at every token at init
         rate = -w[0, 0]  # (H, dk)
         want = torch.logspace(math.log10(-math.log(high)), math.log10(-math.log(low)), dk, dtype=torch.float64)
         torch.testing.assert_close(rate, want.expand(H, dk), rtol=1e-6, atol=0)  # fp32 bias: ~1e-7 relative
@@ -342,3 +343,37 @@ def test_decay_init_range_starts_each_heads_channels_in_the_range():
 def test_bad_config_is_refused_in_one_line(key, value, match):
     with pytest.raises(ConfigError, match=match):
         DecoderLM(tiny_model_cfg({"name": "rwkv7", key: value}), vocab_size=16)
+
+
+def _two_layers(value_residual: bool = True, pattern=None, **kw):
+    mixer = {"name": "rwkv7", "value_residual": value_residual}
+    cfg = tiny_model_cfg(mixer, d_model=64, n_heads=4, **kw)
+    if pattern:
+        cfg.update(pattern=pattern, mixers={"a": {"name": "gqa"}, "r": mixer})
+    torch.manual_seed(0)
+    return DecoderLM(cfg, vocab_size=16).double()
+
+
+def test_value_residual_mixes_the_first_rwkv7_layers_values():
+    """The paper's v_first: the stack's first RWKV-7 layer (layer 1 behind an attention layer here) has no v_lora
+    and leaves its values in the forward's carry; each later one computes v + (v_first - v) sigmoid(v_0 + x W_1 W_2),
+    v_0 = 1 at init (sigmoid(1) = 0.73 of v_first). value_residual=false: no LoRA, each layer its own values."""
+    m = _two_layers(pattern=["a", "r", "r", "r"], n_layers=4)
+    first, *later = m.mixers[1:]
+    assert first.v_lora is None and all(x.v_lora is not None for x in later)
+    assert all((x.v_lora.bias == 1).all() and (x.v_lora.down == 0).all() for x in later)
+    h, prev = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
+    carry = {}
+    with torch.no_grad():
+        v_first = first.features(h, prev, carry)[3]
+        assert carry["rwkv7.v_first"] is v_first
+        layer = later[0]
+        layer.v_lora.down.normal_()  # a LoRA off its init, so the mix depends on the input
+        v = layer.features(h, prev, carry)[3]
+        delta = prev - h
+        xv = h + delta * layer.x_v
+        own = (xv @ layer.v_proj.weight.T).reshape(2, 5, 4, 16)
+        mix = torch.sigmoid(layer.v_lora(xv)).reshape(2, 5, 4, 16)
+        torch.testing.assert_close(v, own + (v_first - own) * mix, atol=1e-12, rtol=0)
+    plain = _two_layers(value_residual=False, n_layers=3)
+    assert all(x.v_lora is None for x in plain.mixers)

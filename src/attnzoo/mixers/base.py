@@ -55,6 +55,11 @@ class Mixer(nn.Module):
     """
 
     impl: str = "fast"
+    # reads / writes the model's per-forward `carry` (a dict the model makes once per forward and hands every layer
+    # whose class sets this, in layer order: forward / forward_packed then take `carry=`): what one layer leaves for
+    # later layers of the same forward, e.g. RWKV-7's value residual (the first RWKV-7 layer's values). Keys are the
+    # mixer's own; nothing outside the mixer reads them
+    carries: bool = False
     # runs on a shard of a sequence split over a context-parallel group (parallel.py; trainer.context_parallel):
     # forward with cache=None under `parallel.sharded` must equal the full-sequence forward on its tokens
     context_parallel: bool = False

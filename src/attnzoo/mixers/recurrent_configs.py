@@ -311,6 +311,11 @@ class RWKV7Config(MixerSpec):
     # decays from high (channel 0) down to low, forgetting rates -log w spaced geometrically (experiment=mqar sets
     # [0.99, 0.9999]: the paper's spread forgets most pairs of a recall example within a few tokens at small widths)
     decay_init_range: Optional[List[float]] = None
+    # the paper's value residual: every RWKV-7 layer after the first mixes the first one's values into its own,
+    # v + (v_first - v) sigmoid(v_0 + x^v W_v1 W_v2) (a LoRA of rank v_low_rank_dim; null: RWKV's
+    # max(32, round(1.7 sqrt(d_model) / 32) * 32)); false: each layer its own values (the zoo's RWKV-7 before)
+    value_residual: bool = True
+    v_low_rank_dim: Optional[int] = None
 
     def ranks(self, model) -> tuple[int, int, int]:
         """(decay, learning-rate, gate) LoRA ranks, fla's defaults where null."""
@@ -324,8 +329,13 @@ class RWKV7Config(MixerSpec):
         return (self.decay_low_rank_dim or fla(2.5, dk / 64), self.a_low_rank_dim or fla(2.5, dk / 64),
                 self.gate_low_rank_dim or fla(5.0, 1.0))
 
+    def value_rank(self, model) -> int:
+        """The value-residual LoRA's rank: v_low_rank_dim, or RWKV's max(32, round(1.7 sqrt(d_model) / 32) * 32)."""
+        d = getattr(model, "mup_base_width", None) or model.d_model
+        return self.v_low_rank_dim or max(32, int(round(1.7 * d**0.5 / 32) * 32))
+
     def validate(self, model, field: str) -> None:
-        for key in ("chunk_size", "decay_low_rank_dim", "a_low_rank_dim", "gate_low_rank_dim"):
+        for key in ("chunk_size", "decay_low_rank_dim", "a_low_rank_dim", "gate_low_rank_dim", "v_low_rank_dim"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"must be >= 1{'' if key == 'chunk_size' else ' or null'}, got {value}",

@@ -25,9 +25,10 @@ orthogonal, k orthogonal x 0.1, o_proj 0.
 Those are raw parameters (not nn.Linear), so the model's `model.init=gpt2` (which re-draws every nn.Linear) keeps them;
 only the four projections r, k, v, o follow `model.init` like every mixer's (their paper init with `model.init=pytorch`).
 
-Left out: the value residual (fla's v_first: layer 0's values mixed into every later layer's through v_lora). It
-crosses layers, and a mixer here is one layer (forward(x, positions, cache) -> y): every layer uses its own values,
-as fla's layer 0 does. fla's fused GroupNorm (fuse_norm) is the same norm; its bf16 fast paths are not wired here
+The value residual (the paper's v_first; `value_residual`, on by default): the first RWKV-7 layer of the stack
+leaves its values in the model's per-forward carry (Mixer.carries), and every later one mixes them into its own,
+v <- v + (v_first - v) sigmoid(v_0 + x^v W_v1 W_v2) (v_0 = 1, W_v1 = 0, W_v2 orthogonal x 0.1 at init, as the
+paper's code). fla's fused GroupNorm (fuse_norm) is the same norm; its bf16 fast paths are not wired here
 (torch forms on every device).
 """
 from __future__ import annotations
@@ -103,6 +104,9 @@ class TokenShiftStateCache(RecurrentStateCache):
         self.shift_tail = shift_tail
 
 
+V_FIRST = "rwkv7.v_first"  # the carry key (Mixer.carries): the first RWKV-7 layer's values (B, T, H, Dv)
+
+
 @register_mixer("rwkv7", RWKV7Config)
 class RWKV7(RecurrentMixer):
     hf_missing = ("RWKV-7 has no transformers causal-LM counterpart (transformers' Rwkv is RWKV-4; fla's "
@@ -114,6 +118,7 @@ class RWKV7(RecurrentMixer):
     # r, k, v come from six differently token-shifted inputs, with decay and learning-rate LoRAs: no attention layer's
     # q/k/v/o to seed them
     linearize_target = False
+    carries = True  # the value residual: the first RWKV-7 layer's values, read by the later ones
     MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
     MIX_POWERS = (0.2, 0.9, 0.7, 0.7, 0.9, 0.2)  # mu_* = 1 - (n / d_model)^(power * (1 - l / L))
 
@@ -144,6 +149,12 @@ class RWKV7(RecurrentMixer):
         self.r_k._no_weight_decay = True  # a per-channel coefficient (2-D only by its head layout)
         self.g_norm = nn.GroupNorm(H, H * dv, eps=dk * cfg.norm_eps)  # per head: one group of d_v channels each
         self.decay_init_range = cfg.decay_init_range
+        # the value residual: the stack's first RWKV-7 layer is its source, every later one mixes it in (v_lora)
+        from attnzoo.config.schema import layer_mixer_configs
+
+        first = min((i for i, mc in enumerate(layer_mixer_configs(model_cfg)) if mc.name == cfg.name), default=0)
+        self.v_lora = (LoRA(d, H * dv, cfg.value_rank(model_cfg), None, bias=True)
+                       if cfg.value_residual and layer_idx > first else None)
         self.init_rwkv7(model_cfg.n_layers)
 
     @torch.no_grad()
@@ -169,6 +180,8 @@ class RWKV7(RecurrentMixer):
         if self.decay_init_range is not None:  # the recipe's slower start (RWKV7Config.decay_init_range)
             self.w_lora.bias.copy_(decay_bias(self.decay_init_range, H, dk))
         self.a_lora.bias.copy_(-0.19 + zigzag * 0.3 + linear * 0.4)
+        if self.v_lora is not None:
+            self.v_lora.bias.fill_(1.0)  # v_0 = 1: sigmoid(1) = 0.73 of v_first at init (the paper's code)
         self.g_norm.weight.fill_(((layer + 1) / n_layers) ** 0.7)
         self.g_norm.bias.zero_()
         nn.init.orthogonal_(self.r_proj.weight)
@@ -177,20 +190,34 @@ class RWKV7(RecurrentMixer):
         self.o_proj.weight.zero_()
 
     # ------------------------------------------------------------------ the layer
-    def features(self, h: torch.Tensor, prev: torch.Tensor):
+    def features(self, h: torch.Tensor, prev: torch.Tensor, carry: Optional[dict] = None):
         """h (B, T, d_model) the (conv-ed) mixer input, prev its token shift -> r, log-decay w, k, v, kk, lr
-        (B, T, H, D) and the output gate (B, T, H Dv), in >= fp32."""
+        (B, T, H, D) and the output gate (B, T, H Dv), in >= fp32. `carry`: the model's (value residual)."""
         B, T, _ = h.shape
         H, dk, dv = self.n_qk_heads, self.qk_dim, self.v_dim
         delta = prev - h
         xr, xw, xk, xv, xa, xg = (h + delta * getattr(self, name) for name in self.MIXES)  # lerp(h, prev, mu)
         heads = lambda t, d: upcast(t).reshape(B, T, H, d)  # noqa: E731
         r, k, v = heads(self.r_proj(xr), dk), heads(self.k_proj(xk), dk), heads(self.v_proj(xv), dv)
+        v = self.value_residual(v, xv, carry, heads)
         w = -LOG_DECAY_SCALE * torch.sigmoid(heads(self.w_lora(xw), dk))
         lr = torch.sigmoid(heads(self.a_lora(xa), dk))
         kk = F.normalize(k * self.k_k.view(H, dk).to(k.dtype), dim=-1)
         k = k + k * (lr - 1) * self.k_a.view(H, dk).to(k.dtype)  # fla's addcmul form of k (1 + (lr - 1) k_a)
         return r, w, k, v, kk, lr, upcast(self.g_lora(xg))
+
+    def value_residual(self, v: torch.Tensor, xv: torch.Tensor, carry: Optional[dict], heads) -> torch.Tensor:
+        """The first RWKV-7 layer leaves its values in `carry`; a later one returns v + (v_first - v) sigmoid(v_lora(xv))."""
+        if not self.cfg.value_residual:
+            return v
+        if self.v_lora is None:
+            if carry is not None:
+                carry[V_FIRST] = v
+            return v
+        if carry is None or V_FIRST not in carry:
+            raise ValueError(f"rwkv7 layer {self.layer_idx}: the value residual reads the first RWKV-7 layer's values "
+                             f"from the model's carry; run it inside its model (or set value_residual=false)")
+        return v + (carry[V_FIRST].to(v.dtype) - v) * torch.sigmoid(heads(self.v_lora(xv), self.v_dim))
 
     def run(self, mode: str, x: torch.Tensor, state: Optional[torch.Tensor], resets: Optional[torch.Tensor],
             r, w, k, v, kk, lr):
@@ -209,7 +236,8 @@ class RWKV7(RecurrentMixer):
         o = o.reshape(B, T, H, dv) + (r * k * self.r_k.to(r.dtype)).sum(-1, keepdim=True) * v
         return self.o_proj((o.reshape(B, T, H * dv) * gate).to(x.dtype))
 
-    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[TokenShiftStateCache] = None):
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor, cache: Optional[TokenShiftStateCache] = None,
+                carry: Optional[dict] = None):
         T = x.shape[1]
         cp = parallel.active() if cache is None else None  # context parallel (parallel.py): tails and states passed
         if cp is not None:
@@ -224,7 +252,7 @@ class RWKV7(RecurrentMixer):
             prev, tail = self.token_shift(h, None if cache is None else cache.shift_tail)
             if cache is not None:
                 cache.store("shift_tail", tail)
-        r, w, k, v, kk, lr, gate = self.features(h, prev)
+        r, w, k, v, kk, lr, gate = self.features(h, prev, carry)
         mode = self.form(cp, cache, T)
         o, state = self.run(mode, x, None if cache is None else cache.state, None, r, w, k, v, kk, lr)
         if cache is not None:
@@ -232,14 +260,15 @@ class RWKV7(RecurrentMixer):
             cache.tick(T)
         return self.readout(o, r, k, v, gate, x)
 
-    def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents) -> torch.Tensor:
+    def forward_packed(self, x: torch.Tensor, *, positions: torch.Tensor, documents,
+                       carry: Optional[dict] = None) -> torch.Tensor:
         """Packed documents (packing.py): the input conv and the token shift never read the previous document (the
         shift reads zeros at a document start, as at a sequence start); the recurrence starts each document from a
         zero state: chunk-aligned with resets (chunked form) or each document by its own call (reference form)."""
         h = self.shift_packed(x, documents)
         starts = (documents.positions() >= 1)[..., None].to(h.dtype)
         prev = F.pad(h, (0, 0, 1, 0))[:, :-1] * starts
-        r, w, k, v, kk, lr, gate = self.features(h, prev)
+        r, w, k, v, kk, lr, gate = self.features(h, prev, carry)
         seq = (r, w, k, v, kk, lr)
         if self.impl == "reference":  # the per-token recurrence, each document by its own call
             o = documents.per_document(lambda *t: self.run("reference", x, None, None, *t)[0], *seq)
@@ -292,5 +321,5 @@ class RWKV7(RecurrentMixer):
 
     def flops_per_token(self, context_len: int) -> float:
         linears = sum(2.0 * m.in_features * m.out_features for m in self.modules() if isinstance(m, nn.Linear))
-        loras = sum(m.flops_per_token() for m in (self.w_lora, self.a_lora, self.g_lora))
+        loras = sum(m.flops_per_token() for m in (self.w_lora, self.a_lora, self.g_lora, self.v_lora) if m is not None)
         return linears + loras + self.input_conv_flops() + self.op_flops_per_token(context_len)

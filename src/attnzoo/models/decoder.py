@@ -51,20 +51,21 @@ class Block(nn.Module):
     def _ffn(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
         return self.ffn(x, token_mask=token_mask) if self.ffn_takes_mask else self.ffn(x)
 
-    def _mix(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, documents: Any) -> torch.Tensor:
+    def _mix(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, documents: Any, carry: Any) -> torch.Tensor:
+        kw = {"carry": carry} if self.mixer.carries else {}  # Mixer.carries: the forward's cross-layer carry
         if documents is not None:  # packed documents (packing.py): each runs as if alone
-            return self.mixer.forward_packed(x, positions=positions, documents=documents)
-        return self.mixer(x, positions=positions, cache=cache)
+            return self.mixer.forward_packed(x, positions=positions, documents=documents, **kw)
+        return self.mixer(x, positions=positions, cache=cache, **kw)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, token_mask=None,
-                documents: Any = None) -> torch.Tensor:
-        h = residual(h, lambda x: self._mix(x, positions, cache, documents), self.norm1, self.drop, self.pre)
+                documents: Any = None, carry: Optional[dict] = None) -> torch.Tensor:
+        h = residual(h, lambda x: self._mix(x, positions, cache, documents, carry), self.norm1, self.drop, self.pre)
         if self.has_ffn:
             h = residual(h, lambda x: self._ffn(x, token_mask), self.norm2, self.drop, self.pre)
         return h
 
 
-def checkpoint_block(block: nn.Module, h: torch.Tensor, positions, token_mask, documents) -> torch.Tensor:
+def checkpoint_block(block: nn.Module, h: torch.Tensor, positions, token_mask, documents, carry=None) -> torch.Tensor:
     """block(h, ...) keeping only its input for backward, which runs the block again (activation checkpointing,
     Chen et al. 2016; torch.utils.checkpoint, non-reentrant). The recomputation restores the forward's RNG state
     (the same dropout masks), runs under `hooks.recomputation()` (stateful submodules do not count twice) and
@@ -80,8 +81,8 @@ def checkpoint_block(block: nn.Module, h: torch.Tensor, positions, token_mask, d
         return contextlib.nullcontext(), recompute()
 
     kw = {} if torch.compiler.is_compiling() else {"context_fn": contexts}
-    return torch.utils.checkpoint.checkpoint(block, h, positions, None, token_mask, documents, use_reentrant=False,
-                                             **kw)
+    return torch.utils.checkpoint.checkpoint(block, h, positions, None, token_mask, documents, carry,
+                                             use_reentrant=False, **kw)
 
 
 class DecoderLM(nn.Module):
@@ -158,11 +159,12 @@ class DecoderLM(nn.Module):
             positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         h = self.drop(self.position(self.embed(idx), positions))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
+        carry = {}  # what a layer leaves for the later layers of this forward (Mixer.carries)
         for i, block in enumerate(self.blocks):
             if recompute:
-                h = checkpoint_block(block, h, positions, token_mask, documents)
+                h = checkpoint_block(block, h, positions, token_mask, documents, carry)
             else:
-                h = block(h, positions, None if cache is None else cache[i], token_mask, documents)
+                h = block(h, positions, None if cache is None else cache[i], token_mask, documents, carry)
         if cache is not None:
             cache.advance(T)
         h = self.norm(h)

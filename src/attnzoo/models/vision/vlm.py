@@ -89,10 +89,11 @@ class VisionLanguageModel(nn.Module):
         return self.lm.drop(self.lm.position(self.lm.embed(idx), positions))
 
     def _blocks(self, h: torch.Tensor, positions: torch.Tensor, cache: Optional[ModelCache], cross: dict) -> torch.Tensor:
+        carry = {}  # the forward's cross-layer carry (Mixer.carries), as DecoderLM's
         for i, block in enumerate(self.lm.blocks):
             if cross and str(i) in self.xattn:
                 h = self.xattn[str(i)](h, cross[str(i)])
-            h = block(h, positions, None if cache is None else cache[i])
+            h = block(h, positions, None if cache is None else cache[i], carry=carry)
         if cache is not None:
             cache.seq_len += h.shape[1]
         return h
