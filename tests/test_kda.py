@@ -181,3 +181,31 @@ def test_gdn2_with_both_gates_beta_is_kda():
     o_kda, s_kda = _ours("chunk")(**x)
     torch.testing.assert_close(o, o_kda, atol=1e-10, rtol=0)
     torch.testing.assert_close(s, s_kda, atol=1e-10, rtol=0)
+
+
+def test_gdn2_layer_equals_its_math_on_fla_naive_op():
+    """The gdn2 layer (chunkwise form, fp64) == its projections written out around fla's `naive_recurrent_gdn2`: the
+    erase gate per key channel (b_proj), the write gate per value channel (w_proj), the per-channel decay, then the
+    gated output norm, so a gate broadcast on the wrong axis or a wrong gate shows."""
+    naive = _fla_naive("gdn2")
+    torch.manual_seed(0)
+    m = DecoderLM(tiny_model_cfg({"name": "gdn2"}, n_layers=1), vocab_size=64).double()
+    layer = m.mixers[0]
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    B, T, _ = x.shape
+    H, dk, dv = layer.n_v_heads, layer.state_shape[0], layer.v_dim
+    with torch.no_grad():
+        ours = layer(x, positions=torch.arange(T))
+        qkv, _ = layer.conv(layer.qkv(x))
+        q, k, v = F.silu(qkv).split(layer.qkv_dims, dim=-1)
+        q, k = (t.reshape(B, T, H, dk) for t in (q, k))
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm
+        erase = torch.sigmoid(layer.b_proj(x)).reshape(B, T, H, dk)
+        write = torch.sigmoid(layer.w_proj(x)).reshape(B, T, H, dv)
+        g = -layer.A_log.exp()[:, None] * F.softplus((layer.f_proj(x) + layer.dt_bias).reshape(B, T, H, dk))
+        o, _ = naive.naive_recurrent_gdn2(q, k, v.reshape(B, T, H, dv), g, erase, write)
+        theirs = layer._output(o.double(), x)
+    # fla's naive runs in fp32: within our layer's own fp32-vs-fp64 gap
+    with torch.no_grad():
+        ours32 = layer.float()(x.float(), positions=torch.arange(T))
+    torch.testing.assert_close(theirs, ours, atol=gap_atol(ours32, ours), rtol=0)
