@@ -23,8 +23,9 @@ MIXERS = {
     "hgrn2-lower-bound": {"name": "hgrn2", "lower_bound": 0.9},
     "mamba2": {"name": "mamba2", "head_dim": 8, "d_state": 16},
     "mamba2-groups": {"name": "mamba2", "head_dim": 8, "d_state": 16, "n_groups": 2},
-    "rwkv7": {"name": "rwkv7"},
-    "rwkv7-conv": {"name": "rwkv7", "conv_size": 4, "decay_init_range": [0.99, 0.9999]},
+    # value_residual off: layer 1 runs alone here (the residual is model-level, the same on both kernel paths)
+    "rwkv7": {"name": "rwkv7", "value_residual": False},
+    "rwkv7-conv": {"name": "rwkv7", "conv_size": 4, "decay_init_range": [0.99, 0.9999], "value_residual": False},
 }
 
 
