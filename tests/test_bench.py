@@ -100,17 +100,19 @@ def test_peak_memory_counts_live_storages_once():
 COMPILE_XFAIL = {
     "linear_attention": "elu_backward -> view in the compiled backward (use .reshape/.contiguous in the mixer)",
     "gated_deltanet": "softplus_backward -> view in the compiled backward (use .reshape/.contiguous in the mixer)",
-    # the same Mamba-2 decay (softplus of a projection), the same failure
-    "kda": "softplus_backward -> view in the compiled backward (as gated_deltanet)",
-    "gdn2": "softplus_backward -> view in the compiled backward (as gated_deltanet)",
-    "gated_deltaproduct": "softplus_backward -> view in the compiled backward (as gated_deltanet)",
+    # the same Mamba-2 decay (softplus of a projection), the same failure: not run (~10 s each to fail); the
+    # gated_deltanet case runs and shows when torch fixes it
+    "kda": "softplus_backward -> view in the compiled backward (as gated_deltanet; not run)",
+    "gdn2": "softplus_backward -> view in the compiled backward (as gated_deltanet; not run)",
+    "gated_deltaproduct": "softplus_backward -> view in the compiled backward (as gated_deltanet; not run)",
 }
 
 
 def compile_case(name: str):
     marks = [] if name == "gqa" else [pytest.mark.slow]
     if name in COMPILE_XFAIL:
-        marks.append(pytest.mark.xfail(reason=COMPILE_XFAIL[name], raises=RuntimeError))
+        marks.append(pytest.mark.xfail(reason=COMPILE_XFAIL[name], raises=RuntimeError,
+                                       run="not run" not in COMPILE_XFAIL[name]))
     return pytest.param(name, marks=marks, id=name)
 
 
