@@ -15,6 +15,8 @@ restore the file (try/finally). A bug is "caught" when at least one of those tes
 8. MoBA with topk = 1 counts router scores it never computes.
 9. Linear attention's packed form goes back to a global prefix sum minus its value at the reset (rounding
    from an earlier document leaks into a later one).
+10-13. Issue 46's mixers: FoX's gate on the diagonal, a dropped Householder step, KDA's decay per head instead of
+   per channel, GDN-2's write gate broadcast over the value channels.
 """
 from __future__ import annotations
 
@@ -63,6 +65,22 @@ BUGS = [
      "        full = torch.cat([kv.new_zeros(B, H, 1, Dk, Dv), kv.cumsum(2)], dim=2)  # PLANTED: global prefix sum\n"
      "        starts = full - full.gather(2, last[:, None, :, None, None].expand_as(full).contiguous())\n",
      ["tests/test_packing.py", "-k", "bit_identical or equals_each_document"], None),
+    # issue 46's mixers
+    ("FoX's forget gate applied to the key itself (the sum from l = j instead of j + 1)",
+     "src/attnzoo/ops/forgetting_attention.py", "    bias = c[..., Tk - q_len:, None] - c[..., None, :]  # (B, H, Tq, Tk)\n",
+     "    bias = c[..., Tk - q_len:, None] - (c - log_f)[..., None, :]  # PLANTED\n", ["tests/test_fox.py"], None),
+    ("Gated DeltaProduct drops a token's first Householder step",
+     "src/attnzoo/ops/delta_product.py", "    qx = torch.zeros(B, H, T, n, Dk, dtype=q.dtype, device=q.device)\n",
+     "    qx = torch.zeros(B, H, T, n, Dk, dtype=q.dtype, device=q.device)\n    beta = beta.clone()\n"
+     "    beta[..., 0] = 0  # PLANTED\n", ["tests/test_deltaproduct.py"], None),
+    ("KDA's decay per head where per key channel is due",
+     "src/attnzoo/mixers/kda.py", "        return -self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)\n",
+     "        return (-self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)).mean(-1, keepdim=True).expand_as(f)"
+     "  # PLANTED\n", ["tests/test_kda.py"], None),
+    ("GDN-2's write gate broadcast over the value channels (one per head)",
+     "src/attnzoo/mixers/kda.py", "        kw, vw, a, b = gdn2_as_generalized(k, erase, write, v, g)\n",
+     "        kw, vw, a, b = gdn2_as_generalized(k, erase, write.mean(-1, keepdim=True).expand_as(write), v, g)"
+     "  # PLANTED\n", ["tests/test_kda.py"], None),
 ]
 
 
