@@ -78,8 +78,8 @@ BUGS = [
      "        return (-self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)).mean(-1, keepdim=True).expand_as(f)"
      "  # PLANTED\n", ["tests/test_kda.py"], None),
     ("GDN-2's write gate broadcast over the value channels (one per head)",
-     "src/attnzoo/mixers/kda.py", "        kw, vw, a, b = gdn2_as_generalized(k, erase, write, v, g)\n",
-     "        kw, vw, a, b = gdn2_as_generalized(k, erase, write.mean(-1, keepdim=True).expand_as(write), v, g)"
+     "src/attnzoo/mixers/kda.py", "        return gdn2_as_generalized(k, erase, write, v, g)\n",
+     "        return gdn2_as_generalized(k, erase, write.mean(-1, keepdim=True).expand_as(write), v, g)"
      "  # PLANTED\n", ["tests/test_kda.py"], None),
 ]
 

@@ -72,17 +72,22 @@ class KimiDeltaAttention(DeltaNet):
 
     def mix(self, q, k, v, x, state, mode, resets=None):
         q, k = l2norm(q), l2norm(k)
-        beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
-        if self.cfg.allow_neg_eigval:
-            beta = 2 * beta
         g = self.gate(x)  # (B, T, Hv, Dk)
         if self.group > 1:  # grouped values: consecutive value heads share a q/k head
             q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
-        kw, a, b = kda_as_generalized(k, beta, g)
-        q, kw, v, a, b, g = (t.transpose(1, 2) for t in (q, kw, v, a, b, g))
+        kw, vw, a, b = self.rule_inputs(k, v, x, g)
+        q, kw, vw, a, b, g = (t.transpose(1, 2) for t in (q, kw, vw, a, b, g))
         state = None if state is None else state.to(q.dtype)
-        o, state = self.recur(mode, x, state, resets, q, kw, v, a, b, g)
+        o, state = self.recur(mode, x, state, resets, q, kw, vw, a, b, g)
         return o.transpose(1, 2), state
+
+    def rule_inputs(self, k, v, x, g) -> tuple:
+        """The generalized rule's write key, value and low-rank pair (B, T, Hv, D) from KDA's beta per head."""
+        beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
+        if self.cfg.allow_neg_eigval:
+            beta = 2 * beta
+        kw, a, b = kda_as_generalized(k, beta, g)
+        return kw, v, a, b
 
     # the generalized delta rule's forms (ops/generalized_delta_rule.py) on k' = beta k, a, b, g (B, H, T, Dk)
     def step_op(self, q, k, v, a, b, g, *, state):
@@ -137,21 +142,14 @@ class GatedDeltaNet2(KimiDeltaAttention):
         self.b_proj = nn.Linear(self.d_model, self.n_v_heads * self.state_shape[0], bias=False)  # erase, per key channel
         self.w_proj = nn.Linear(self.d_model, self.n_v_heads * self.v_dim, bias=False)  # write, per value channel
 
-    def mix(self, q, k, v, x, state, mode, resets=None):
-        q, k = l2norm(q), l2norm(k)
+    def rule_inputs(self, k, v, x, g) -> tuple:
+        """KDA's with the erase gate per key channel and the write gate per value channel."""
         B, T = x.shape[:2]
         erase = torch.sigmoid(upcast(self.b_proj(x))).reshape(B, T, self.n_v_heads, self.state_shape[0])
         if self.cfg.allow_neg_eigval:
             erase = 2 * erase
         write = torch.sigmoid(upcast(self.w_proj(x))).reshape(B, T, self.n_v_heads, self.v_dim)
-        g = self.gate(x)
-        if self.group > 1:
-            q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
-        kw, vw, a, b = gdn2_as_generalized(k, erase, write, v, g)
-        q, kw, vw, a, b, g = (t.transpose(1, 2) for t in (q, kw, vw, a, b, g))
-        state = None if state is None else state.to(q.dtype)
-        o, state = self.recur(mode, x, state, resets, q, kw, vw, a, b, g)
-        return o.transpose(1, 2), state
+        return gdn2_as_generalized(k, erase, write, v, g)
 
     def layer_shape(self) -> dict:
         out = super().layer_shape()
