@@ -360,8 +360,10 @@ def test_lm_125m_recipe_runs_in_its_smoke_form_on_cpu(corpus, tmp_path):
     """experiment=lm_125m (the GPU recipe: docs/data.md) in its debug=smoke form on CPU: the recipe composes with
     data=shards, trains (bf16 autocast and 4-step accumulation as on GPUs) and validates."""
     out = tmp_path / "run"
+    # two of its 12 layers: the recipe's options (not its depth) are what this checks, and depth is what costs on CPU
     cfg = compose_cfg(["experiment=lm_125m", "debug=smoke", "trainer=cpu", "compile=false", f"data.path={corpus}",
-                       "data.num_workers=1", "sample.max_new_tokens=4", "perf.measure_decode=false"], out)
+                       "data.num_workers=1", "sample.max_new_tokens=4", "perf.measure_decode=false",
+                       "model.n_layers=2"], out)
     assert cfg.data.name == "shards" and cfg.trainer.max_tokens == 2_500_000_000 and cfg.optim.lr == 6e-4
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accumulate_grad_batches == 4
     train(cfg)

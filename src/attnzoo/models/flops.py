@@ -56,8 +56,19 @@ def _dtype_key(dtype: torch.dtype) -> str:
 
 @lru_cache(maxsize=None)
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024, seconds: float = 0.4) -> float:
-    """Best FLOP/s of an n x n x n matmul in `dtype` on `device`, over ~`seconds` of repeats."""
+    """Best FLOP/s of an n x n x n matmul in `dtype` on `device`, over ~`seconds` of repeats. Where one such matmul
+    alone would take longer than that (bf16 on a CPU without native bf16 matmuls: ~3 s at n = 1024 on one core), n is
+    halved until it fits (down to 128): the slow path's FLOP/s hardly depend on the size, and a run's start does not
+    wait 20 s for its MFU's denominator."""
     g = torch.Generator().manual_seed(0)  # its own generator: a run's random stream must not depend on the cache
+    if not device.startswith("cuda"):
+        probe = torch.randn(128, 128, generator=g).to(dtype=dtype)
+        probe @ probe  # the first call pays one-time set-up
+        t0 = time.perf_counter()
+        probe @ probe
+        per_flop = (time.perf_counter() - t0) / (2.0 * 128**3)
+        while n > 128 and 6 * per_flop * 2.0 * n**3 > seconds:  # 6 matmuls: 2 warm-up, 4 timed
+            n //= 2
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
