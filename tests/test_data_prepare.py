@@ -345,7 +345,7 @@ def test_vocabulary_over_uint32(tmp_path, capsys, monkeypatch, tokenizer_file):
 def test_kill_and_resume(tmp_path, tokenizer_file):
     """SIGKILL (the whole process group) once some parts are finished; the same command resumes, and OUT holds
     the same documents per split as an uninterrupted run: none lost, none twice."""
-    make_corpus(tmp_path / "src", n=1500)
+    make_corpus(tmp_path / "src", n=400)  # ~40 parts of ~80 ms: the kill lands after 3 and well before the last
     argv = ["--tokenizer-file", str(tokenizer_file), "--unit-bytes", "2048", "--val-fraction", "0.1", "--quiet"]
     cmd = [sys.executable, "-m", "attnzoo.cli.data", "prepare", str(tmp_path / "src"), str(tmp_path / "out"), *argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
