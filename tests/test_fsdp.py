@@ -61,6 +61,22 @@ def one_process(tmp_path_factory):
     return Reference((out32, gap_atol(out32, out64)), val=(val32, gap_atol(val32, val64)))
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Runs on 2 FSDP ranks that several tests read and never write: 8 steps ("to8"), and 4 steps ("to4", a step-4
+    sharded checkpoint: a test that resumes from it works on a copy, `copy_run`)."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], root / "to8"))
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=4"], root / "to4"))
+    return root
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run folder (its `last.ckpt` link kept a link), to resume without touching the original."""
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
 class Reference(tuple):
     """(train losses, their tolerance), and in `.val` the same for val/loss: every world size validates on the
     one process's set (docs/reliability.md)."""
@@ -99,28 +115,28 @@ def test_the_memory_benchmark_measures_half_of_ddps_training_state_on_two_ranks(
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process, monkeypatch):
+def test_fsdp_logs_the_losses_of_ddp_and_of_one_process(tmp_path, one_process, fsdp_runs, monkeypatch):
     """FSDP's workers forked from the launcher's fork server (the default), DDP's started as `python -m
     attnzoo.cli.worker` (ATTNZOO_WORKER_START=spawn): both log one process's losses."""
     ref, atol = one_process
-    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], tmp_path / "fsdp"))
+    runs = {"fsdp": fsdp_runs / "to8", "ddp": tmp_path / "ddp"}
     with monkeypatch.context() as m:
         m.setenv(START_ENV, "spawn")
-        train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8"], tmp_path / "ddp"))
-    fsdp, ddp = losses(tmp_path / "fsdp"), losses(tmp_path / "ddp")
+        train(compose_cfg(BASE + ["trainer=ddp_cpu", "data.batch_size=4", "trainer.max_steps=8"], runs["ddp"]))
+    fsdp, ddp = losses(runs["fsdp"]), losses(runs["ddp"])
     torch.testing.assert_close(fsdp, ref, atol=atol, rtol=0)
     torch.testing.assert_close(ddp, ref, atol=atol, rtol=0)
     torch.testing.assert_close(fsdp, ddp, atol=atol, rtol=0)
     val_ref, val_atol = one_process.val
-    for run in ("fsdp", "ddp"):  # each validation the one process's set: the same val/loss
-        torch.testing.assert_close(losses(tmp_path / run, "val/loss"), val_ref, atol=val_atol, rtol=0)
-    ckpt = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
+    for run in runs.values():  # each validation the one process's set: the same val/loss
+        torch.testing.assert_close(losses(run, "val/loss"), val_ref, atol=val_atol, rtol=0)
+    ckpt = runs["fsdp"] / "checkpoints" / "last.ckpt"
     assert ckpt.is_symlink() and is_sharded_checkpoint(ckpt)
     assert {p.name for p in ckpt.resolve().iterdir()} >= {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
     # one folder per link: the step-4 checkpoint was deleted once the step-8 one was in place
     assert [p.name for p in ckpt.parent.iterdir() if p.is_dir() and not p.is_symlink()] == [ckpt.resolve().name]
-    for run in ("fsdp", "ddp"):  # a worker's wait for its first step counts from its launcher's train() call
-        summary = json.loads((tmp_path / run / "summary.json").read_text())
+    for run in runs.values():  # a worker's wait for its first step counts from its launcher's train() call
+        summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "ok" and summary["first_step_origin"] == "train()", summary
         assert 0 < summary["first_step_seconds"]
 
@@ -131,13 +147,12 @@ def test_an_unknown_worker_start_method_is_refused_in_one_line(monkeypatch):
         start_method()
 
 
-def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_path):
+def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_path, fsdp_runs):
     """Stopped at step 4 and resumed to 8 on the same 2 ranks: every train/loss row equals the uninterrupted run's;
     attnzoo.load, attnzoo-ckpt consolidate and the consolidated file give the same model."""
-    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], tmp_path / "ref"))
-    train(compose_cfg(BASE + TWO + ["trainer.max_steps=4"], tmp_path / "split"))
-    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "split"))
-    assert torch.equal(losses(tmp_path / "split"), losses(tmp_path / "ref"))
+    split = copy_run(fsdp_runs / "to4", tmp_path / "split")
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=last"], split))
+    assert torch.equal(losses(tmp_path / "split"), losses(fsdp_runs / "to8"))
     sharded = tmp_path / "split" / "checkpoints" / "last.ckpt"
     out = tmp_path / "model.ckpt"
     r = run_python(["-m", "attnzoo.cli.ckpt", "consolidate", str(sharded), str(out)], timeout=300)
@@ -146,7 +161,7 @@ def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_
     assert a.global_step == b.global_step == 8
     for (k, v), (k2, v2) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert k == k2 and torch.equal(v, v2), k
-    ref = load(tmp_path / "ref").model.state_dict()
+    ref = load(fsdp_runs / "to8").model.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in a.model.state_dict().items())
     # the consolidated optimizer state is torch.optim's: indices over the param groups, both AdamW moments
     opt = torch.load(out, weights_only=True)["optimizer_states"][0]
@@ -154,17 +169,13 @@ def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_
     assert sorted(opt["state"]) == list(range(n)) and {"exp_avg", "exp_avg_sq"} <= set(opt["state"][0])
 
 
-def _reshard(tmp_path, first: list, then: list, one_process) -> None:
-    ref, atol = one_process
-    train(compose_cfg(BASE + first + ["trainer.max_steps=4"], tmp_path / "run"))
-    train(compose_cfg(BASE + then + ["trainer.max_steps=8", "ckpt_path=last"], tmp_path / "run"))
-    torch.testing.assert_close(losses(tmp_path / "run"), ref, atol=atol, rtol=0)
-
-
 @pytest.mark.slow  # 4 worker processes
-def test_resume_onto_another_world_size_reshards(tmp_path, one_process):
+def test_resume_onto_another_world_size_reshards(tmp_path, one_process, fsdp_runs):
     """2 -> 4 processes (the same global batch: data.batch_size 4 -> 2 is accepted), then the curve of one process."""
-    _reshard(tmp_path, TWO, FOUR, one_process)
+    ref, atol = one_process
+    run = copy_run(fsdp_runs / "to4", tmp_path / "run")
+    train(compose_cfg(BASE + FOUR + ["trainer.max_steps=8", "ckpt_path=last"], run))
+    torch.testing.assert_close(losses(run), ref, atol=atol, rtol=0)
 
 
 @pytest.mark.slow  # 4 worker processes
