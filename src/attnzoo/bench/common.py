@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import tempfile
 import time
@@ -45,12 +46,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker: Callable, world: int, spec, prefix: str = "attnzoo-") -> list[dict]:
-    """`worker(rank, world, port, spec, out)` on `world` fresh processes (torch.multiprocessing); each rank writes its
-    row as JSON to `out + f".{rank}"`. Returns the rows in rank order."""
+def start_ranks(worker: Callable, args: tuple, nprocs: int) -> None:
+    """`worker(rank, *args)` on `nprocs` processes (torch.multiprocessing.start_processes, joined; a rank's exception
+    re-raised here): forked from the fork server DDP's workers come from (training/launch.py: it imported torch and
+    attnzoo once and never computes), so each rank skips the ~4 s of imports a fresh interpreter pays on a 2-core
+    machine; spawned fresh where the platform has no fork server or ATTNZOO_WORKER_START=spawn. A measurement of a
+    process's own RSS needs a fresh one (bench/memory.py keeps torch's spawn)."""
     import torch.multiprocessing as mp
 
+    from attnzoo.training.launch import _fork_context, start_method
+
+    method = start_method()
+    if method == "forkserver":
+        _fork_context()  # the server that preloads the training stack, if it is not running yet
+        # the server's environment and directory are those of its start: each rank takes on the caller's
+        worker, args = _as_started_here, (worker, dict(os.environ), os.getcwd(), *args)
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method=method)
+
+
+def _as_started_here(rank: int, worker: Callable, env: dict, cwd: str, *args) -> None:
+    """A rank forked from the fork server, with the environment and working directory of the process that started
+    it and the platform's default start method for what it starts (as `launch.become_fresh_process`); then
+    `worker(rank, *args)`."""
+    import multiprocessing
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    multiprocessing.set_start_method(None, force=True)
+    worker(rank, *args)
+
+
+def spawn_ranks(worker: Callable, world: int, spec, prefix: str = "attnzoo-") -> list[dict]:
+    """`worker(rank, world, port, spec, out)` on `world` processes (`start_ranks`); each rank writes its row as JSON
+    to `out + f".{rank}"`. Returns the rows in rank order."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         out = str(Path(tmp) / "rank")
-        mp.spawn(worker, args=(world, free_port(), spec, out), nprocs=world, join=True)
+        start_ranks(worker, (world, free_port(), spec, out), world)
         return [json.loads(Path(out + f".{r}").read_text()) for r in range(world)]

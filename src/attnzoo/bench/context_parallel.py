@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from attnzoo.bench.common import free_port, spawn_ranks
+from attnzoo.bench.common import free_port, spawn_ranks, start_ranks
 
 HELP = "context parallelism: equivalence per mixer (--check) or tokens/s, comm share and peak memory per rank"
 
@@ -185,11 +185,9 @@ def _check_worker(rank: int, world: int, port: int, jobs: list, out_path: str) -
 
 def run_check(world: int, jobs: list) -> list[dict]:
     """Run equivalence jobs [(case, layout, dtype name, seq_len, batch[, ring impl])] on `world` gloo processes."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="attnzoo-cp-") as tmp:
         out = Path(tmp) / "rows.json"
-        mp.spawn(_check_worker, args=(world, _free_port(), jobs, str(out)), nprocs=world, join=True)
+        start_ranks(_check_worker, (world, _free_port(), jobs, str(out)), world)
         return json.loads(out.read_text())
 
 

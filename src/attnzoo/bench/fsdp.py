@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from attnzoo.bench.common import spawn_ranks
+from attnzoo.bench.common import spawn_ranks, start_ranks
 from attnzoo.bench.context_parallel import _free_port, _init
 
 HELP = "FSDP2: loss/parameter equivalence with DDP and one process (--check), or per-rank memory at 1/2/4 processes"
@@ -132,11 +132,9 @@ def _check_worker(rank: int, world: int, port: int, steps: int, out_path: str) -
 
 
 def run_check(world: int, steps: int = 3) -> list[dict]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="attnzoo-fsdp-") as tmp:
         out = Path(tmp) / "rows.json"
-        mp.spawn(_check_worker, args=(world, _free_port(), steps, str(out)), nprocs=world, join=True)
+        start_ranks(_check_worker, (world, _free_port(), steps, str(out)), world)
         return json.loads(out.read_text())
 
 
