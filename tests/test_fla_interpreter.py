@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["test_fla_ops.py", "test_fla_models.py", "test_fla_models_fp16.py", "test_fla_cli.py"]
+# two processes of about equal length (each pays ~4 s of python, torch, triton and fla imports), so the suite's two
+# workers can take one each
+PARTS = [("test_fla_ops.py", "test_fla_cli.py"), ("test_fla_models.py", "test_fla_models_fp16.py")]
 
 
 def triton_site() -> Path:
@@ -30,18 +32,18 @@ def test_triton_is_not_importable_here():
 
 
 @pytest.mark.slow  # minutes of numpy per file: CI runs it, `pytest -m "not slow"` leaves it out
-@pytest.mark.parametrize("part", PARTS)
-def test_interpreter_tier(part):
+@pytest.mark.parametrize("files", PARTS, ids="+".join)
+def test_interpreter_tier(files):
     site = triton_site()
     assert (site / "triton").is_dir(), (f"no triton at {site} for the interpreter tests: `bash scripts/setup.sh` "
                                         f"installs it there (or set ATTNZOO_TRITON_SITE)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNZOO_INTERP_TESTS": "1",
            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                        "-W", "ignore::UserWarning", "-W", "ignore::RuntimeWarning", f"tests/interp/{part}"],
+                        "-W", "ignore::UserWarning", "-W", "ignore::RuntimeWarning", *(f"tests/interp/{f}" for f in files)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = (r.stdout + r.stderr).strip().splitlines()
     tail = "\n".join(lines[-40:])
-    assert r.returncode == 0, f"tests/interp/{part} under the interpreter failed:\n{tail}"
+    assert r.returncode == 0, f"tests/interp/{' '.join(files)} under the interpreter failed:\n{tail}"
     summary = lines[-1]  # e.g. "25 passed in 122.26s (0:02:02)"
     assert re.match(r"^\d+ passed(, \d+ warnings?)? in ", summary), tail  # nothing failed, skipped, errored or deselected
