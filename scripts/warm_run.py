@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 
-def _child(argv: list[str], env: dict, cwd: str, out, err) -> None:
+def _child(argv: list[str], env: dict, cwd: str, out, err, new_session: bool = False) -> None:
     import atexit
     import runpy
     import time
@@ -30,6 +30,8 @@ def _child(argv: list[str], env: dict, cwd: str, out, err) -> None:
     import attnzoo
     from attnzoo.training.launch import become_fresh_process
 
+    if new_session:  # Popen(start_new_session=True)
+        os.setsid()
     become_fresh_process(env, cwd, out, err)
     attnzoo.STARTED = time.perf_counter()
     try:
@@ -75,3 +77,62 @@ def run_python(argv: list[str], env: dict | None = None, timeout: float | None =
             f.seek(0)
             texts.append(f.read().decode(errors="replace"))
     return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, *texts)
+
+
+class WarmProcess:
+    """What `subprocess.Popen([sys.executable, *argv], env=env, stdout=PIPE, stderr=STDOUT, text=True)` gives the
+    tests that signal a running command (pid, poll, send_signal, kill, wait, communicate, returncode, stdout.read),
+    forked from the warm fork server as `run_python` (its output, stdout and stderr together, goes to a temporary
+    file read back once it ends). `start_python` makes one."""
+
+    def __init__(self, proc, out) -> None:
+        self._proc, self._out = proc, out
+        self.pid, self.args = proc.pid, None
+        self.stdout = self  # `.stdout.read()`: the output so far
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode  # a signal's death is -signum, as Popen's
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def read(self) -> str:
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace")
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.read(), None
+
+
+def start_python(argv: list[str], env: dict | None = None, cwd=None, start_new_session: bool = False):
+    """`python ARGV` started and not waited for: a `WarmProcess` forked from the warm fork server (see the module's
+    docstring for what differs from a fresh interpreter), or a real `subprocess.Popen` (stdout=PIPE, stderr=STDOUT,
+    text) where the platform has no fork server or ATTNZOO_WORKER_START=spawn."""
+    from attnzoo.training.launch import _Fd, _fork_context, start_method
+
+    assert argv[0] in ("-m", "-c"), argv
+    env = dict(os.environ if env is None else env)
+    if start_method() == "spawn":
+        return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=start_new_session)
+    out = tempfile.TemporaryFile()
+    proc = _fork_context().Process(target=_child, args=(argv, env, str(cwd or os.getcwd()), _Fd(out.fileno()),
+                                                        _Fd(out.fileno()), start_new_session),
+                                   name=f"start {argv[1][:40]}")
+    proc.start()
+    return WarmProcess(proc, out)

@@ -16,7 +16,7 @@ from attnzoo.config.schema import ConfigError
 from attnzoo.data.sampling import ResumableShuffleSampler
 from attnzoo.training.run import train
 from tests.conftest import SESSION_CACHE, SMALL_TEXT, compose_cfg
-from scripts.warm_run import run_python
+from scripts.warm_run import run_python, start_python
 
 FAST = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=32", "data.batch_size=8", "optim.lr=3e-3",
         "perf.measure_decode=false", "sample.max_new_tokens=0"]
@@ -30,9 +30,14 @@ def losses(run_dir: Path) -> dict:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
-def cli(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "attnzoo.cli.train", *args], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+def cli(args, fresh: bool = False, **kw):
+    """`attnzoo-train ARGS` started, not waited for (output: stdout and stderr together). Forked from the warm fork
+    server (scripts/warm_run.start_python: no ~5 s of imports) unless `fresh`: a real interpreter, for the tests
+    about the process tree a launcher leaves (tests/test_lifecycle.py)."""
+    if fresh:
+        return subprocess.Popen([sys.executable, "-m", "attnzoo.cli.train", *args], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, **kw)
+    return start_python(["-m", "attnzoo.cli.train", *args], env=ENV, **kw)
 
 
 def wait_for_checkpoint(path: Path, min_step: int, proc, timeout=180):

@@ -198,7 +198,7 @@ def test_sigkill_of_a_ddp_launcher_kills_its_workers_and_frees_the_run_dir(tmp_p
     run = tmp_path / "ddp"
     p = cli(BASE + ["trainer=ddp_cpu", "trainer.max_steps=1000", "trainer.val_check_interval=1000",
                     "callbacks.checkpoint_every_n_steps=2", f"hydra.run.dir={run}", f"paths.cache_dir={SESSION_CACHE}"],
-            start_new_session=True)
+            start_new_session=True, fresh=True)
     try:
         wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 2, p)  # both workers are training
         # the lock records the 2 workers: the launcher's descendants (forked from its fork server, whose command
@@ -224,7 +224,7 @@ def test_sigterm_to_a_ddp_launcher_preempts_its_workers(tmp_path):
     run = tmp_path / "ddp"
     p = cli(BASE + ["trainer=ddp_cpu", "trainer.max_steps=1000", "trainer.val_check_interval=1000",
                     "callbacks.checkpoint_every_n_steps=2", f"hydra.run.dir={run}", f"paths.cache_dir={SESSION_CACHE}"],
-            start_new_session=True)
+            start_new_session=True, fresh=True)
     try:
         wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 2, p)
         workers = descendants(p.pid)
