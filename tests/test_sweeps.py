@@ -1,6 +1,7 @@
 """Named sweeps: every sweeps/*.yaml composes and validates; smoke sweeps run end to end as Hydra multiruns
 (jobs one after another in this process); the report equals the runs' summary.json; a failing job is
 recorded and the others finish; wandb offline gives one run per job, grouped by sweep; matched budgets."""
+import copy
 import csv
 import json
 import tempfile
@@ -20,9 +21,42 @@ from attnzoo.cli.sweep import available, smoke_overlay
 from attnzoo.cli.sweep import main as sweep_main
 from tests.conftest import SESSION_CACHE, SMALL_TEXT
 from tests.shards_fixture import text_corpus
-from scripts.warm_run import run_python
 
 SWEEPS = available()
+
+
+class _ParsedOnce:
+    """`yaml` as omegaconf's OmegaConf.load sees it, with `load` remembering what each text parses to: every Hydra
+    compose (the tests' own, attnzoo-sweep's grid check, Hydra's sweeper and each in-process job) reads the same
+    conf/ and sweeps/ files again, and PyYAML's pure-Python parser was a fifth of a grid check's time. Keyed on the
+    whole text, each caller getting its own deep copy of the parse: the configs composed are the same objects as
+    without it; only files that did not change are parsed once."""
+
+    def __init__(self, yaml_module):
+        self._yaml, self._parsed = yaml_module, {}
+
+    def __getattr__(self, name):  # dump, safe_load, ...: PyYAML's own
+        return getattr(self._yaml, name)
+
+    def load(self, stream, Loader):
+        text = stream if isinstance(stream, str) else stream.read()
+        if text not in self._parsed:
+            self._parsed[text] = self._yaml.load(text, Loader=Loader)
+        return copy.deepcopy(self._parsed[text])
+
+
+_YAML = _ParsedOnce(__import__("yaml"))  # one for the session: a worker may set the fixture up more than once
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _yaml_parsed_once():
+    """For this file's tests only (omegaconf's own `yaml` again afterwards)."""
+    import omegaconf.omegaconf
+
+    with pytest.MonkeyPatch.context() as mp:
+        if getattr(omegaconf.omegaconf, "yaml", None) is _YAML._yaml:  # omegaconf 2.x: `yaml` imported by the module
+            mp.setattr(omegaconf.omegaconf, "yaml", _YAML)
+        yield
 
 
 _PREPARED: list = []
@@ -43,9 +77,42 @@ def compose_sweep(name: str, overrides=()):
                                                *smoke_overlay(name, list(overrides)), f"paths.cache_dir={SESSION_CACHE}",
                                                "paths.output_dir=/tmp/unused", *extra, *overrides], return_hydra_config=True)
 
+    # a sweep on a prepared corpus (data=shards) names its data.path on the command line: the tests give a tiny one;
+    # once a sweep is known to be on shards, it is composed with it directly (one compose, not two)
+    if name in _ON_SHARDS:
+        cfg = composed([f"data.path={prepared_corpus()}"])
+        assert cfg.data.name == "shards", (name, overrides)
+        return cfg
     cfg = composed([])
-    # a sweep on a prepared corpus (data=shards) names its data.path on the command line: the tests give a tiny one
-    return composed([f"data.path={prepared_corpus()}"]) if cfg.data.name == "shards" else cfg
+    if cfg.data.name != "shards":
+        return cfg
+    _ON_SHARDS.add(name)
+    return composed([f"data.path={prepared_corpus()}"])
+
+
+_ON_SHARDS: set = set()  # the sweeps compose_sweep found on data=shards
+
+
+def with_overrides(cfg, *overrides: str):
+    """A copy of composed `cfg` with `overrides` applied as Hydra's compose applies them after it composed the
+    defaults list (ConfigLoaderImpl._apply_overrides_to_config): the same config as composing again with them (but
+    Hydra's record of the command line under `hydra:`), for overrides of plain values (no config group, nothing
+    added or deleted), at the cost of a copy, not a compose."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    assert all(o.package is None and not picks_a_group(cfg, o.key_or_group) and not o.is_add() and not o.is_delete()
+               and not o.is_sweep_override() for o in parsed), overrides
+    out = copy.deepcopy(cfg)
+    ConfigLoaderImpl._apply_overrides_to_config(parsed, out)
+    return out
+
+
+def picks_a_group(cfg, key: str) -> bool:
+    """`key=...` chooses an option of a config group (model/mixer, data, ...: Hydra's choices of `cfg`, composed with
+    its hydra config): composing with it changes the defaults list."""
+    return key.lstrip("+~") in cfg.hydra.runtime.choices or "/" in key
 
 
 def grid(cfg) -> dict[str, list[str]]:
@@ -116,8 +183,13 @@ def test_sweep_composes_and_every_value_validates(name, monkeypatch):
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_sweep_smoke_form_is_small_and_valid(name):
-    g = grid(compose_sweep(name, ["debug=smoke"]))
-    cfg = compose_sweep(name, ["debug=smoke", *[f"{k}={v[0]}" for k, v in g.items()]])
+    base = compose_sweep(name, ["debug=smoke"])
+    g = grid(base)
+    first = [f"{k}={v[0]}" for k, v in g.items()]
+    # the first job: composed again where the grid picks a config group (its defaults list changes); else the same
+    # config is the composed one with the grid's first values set as Hydra sets them
+    cfg = (compose_sweep(name, ["debug=smoke", *first]) if any(picks_a_group(base, k) for k in g)
+           else with_overrides(base, *first))
     assert cfg.trainer.max_steps <= 10 and cfg.trainer.limit_val_batches <= 2
     with open_dict(cfg):
         del cfg["hydra"]
@@ -314,20 +386,19 @@ def test_wandb_with_a_key_but_no_server_falls_back_to_offline_quickly(tmp_path, 
     lg.experiment.finish()
 
 
-def test_optuna_hparams_search_smoke(tmp_path):
+def test_optuna_hparams_search_smoke(tmp_path, monkeypatch, capsys):
     """`hparams_search=optuna` (lightning-hydra-template's convention): a study of 2 trials on MQAR, the
-    best value read back from the jobs' returned val/acc."""
-    import subprocess
-    import sys
-
+    best value read back from the jobs' returned val/acc. The command runs in this process (tests/conftest.py
+    cli_train: the console script's own main; the trials run one after another in it, as in a process of its own)."""
     import yaml
 
+    from tests.conftest import cli_train
+
     d = tmp_path / "optuna"
-    r = run_python(["-m", "attnzoo.cli.train", "hparams_search=optuna", "experiment=mqar", "debug=smoke",
-                    "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
-                    f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"],
-                   timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    code, out, err = cli_train(["hparams_search=optuna", "experiment=mqar", "debug=smoke", "hydra.sweeper.n_trials=2",
+                                "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={d}",
+                                f"paths.cache_dir={SESSION_CACHE}", "perf.measure_decode=false"], monkeypatch, capsys)
+    assert code == 0, out[-2000:] + err[-2000:]
     res = yaml.safe_load((d / "optimization_results.yaml").read_text())
     accs = [json.loads((d / j / "summary.json").read_text())["metrics"]["val/acc"] for j in ("0", "1")]
     assert res["best_value"] == pytest.approx(max(accs)) and "optim.lr" in res["best_params"]
@@ -335,8 +406,10 @@ def test_optuna_hparams_search_smoke(tmp_path):
 
 def test_long_context_smoke_sweep_evaluates_every_length(tmp_path):
     d = tmp_path / "long"
+    # 4 sequences a batch (the sweep file's 32 stay under debug=smoke): what is checked is which lengths are evaluated
+    # and the cache at each, not the losses
     rep = run_sweep("long_context_positions", d, "model/position=rope_yarn,alibi", "eval.context_lengths=[64,128]",
-                    "eval.max_batches=2", "hydra/launcher=basic")
+                    "eval.max_batches=2", "data.batch_size=4", "hydra/launcher=basic")
     assert [j["status"] for j in rep["jobs"]] == ["ok", "ok"]
     for j in rep["jobs"]:
         m = j["metrics"]
@@ -447,10 +520,11 @@ def test_lm_125m_sweep_holds_every_variant_at_the_gqa_count():
     """sweeps/lm_125m: model_budget.match gives every mixer the gqa model's non-embedding parameters, at the
     recipe's full size and in its debug=smoke form (counted on the meta device: nothing is allocated)."""
     for extra in ([], ["debug=smoke"]):
-        g = grid(compose_sweep("lm_125m", extra))
+        base = compose_sweep("lm_125m", extra)  # one compose per form: a grid value here is a plain value
+        g = grid(base)
         counts = {}
         for pattern in g["model.pattern"]:
-            cfg = compose_sweep("lm_125m", [*extra, f"model.pattern={pattern}"])
+            cfg = with_overrides(base, f"model.pattern={pattern}")
             container = {"model": OmegaConf.to_container(cfg.model, resolve=True),
                          "model_budget": OmegaConf.to_container(cfg.model_budget, resolve=True)}
             info = apply_budget(container, 50304)
