@@ -25,40 +25,6 @@ from tests.shards_fixture import text_corpus
 SWEEPS = available()
 
 
-class _ParsedOnce:
-    """`yaml` as omegaconf's OmegaConf.load sees it, with `load` remembering what each text parses to: every Hydra
-    compose (the tests' own, attnzoo-sweep's grid check, Hydra's sweeper and each in-process job) reads the same
-    conf/ and sweeps/ files again, and PyYAML's pure-Python parser was a fifth of a grid check's time. Keyed on the
-    whole text, each caller getting its own deep copy of the parse: the configs composed are the same objects as
-    without it; only files that did not change are parsed once."""
-
-    def __init__(self, yaml_module):
-        self._yaml, self._parsed = yaml_module, {}
-
-    def __getattr__(self, name):  # dump, safe_load, ...: PyYAML's own
-        return getattr(self._yaml, name)
-
-    def load(self, stream, Loader):
-        text = stream if isinstance(stream, str) else stream.read()
-        if text not in self._parsed:
-            self._parsed[text] = self._yaml.load(text, Loader=Loader)
-        return copy.deepcopy(self._parsed[text])
-
-
-_YAML = _ParsedOnce(__import__("yaml"))  # one for the session: a worker may set the fixture up more than once
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _yaml_parsed_once():
-    """For this file's tests only (omegaconf's own `yaml` again afterwards)."""
-    import omegaconf.omegaconf
-
-    with pytest.MonkeyPatch.context() as mp:
-        if getattr(omegaconf.omegaconf, "yaml", None) is _YAML._yaml:  # omegaconf 2.x: `yaml` imported by the module
-            mp.setattr(omegaconf.omegaconf, "yaml", _YAML)
-        yield
-
-
 _PREPARED: list = []
 
 
