@@ -184,7 +184,8 @@ def test_one_graph_for_every_position_and_prompt(mixer):
 def test_compiled_decode_equals_eager_and_full_forward():
     """The real compiler (inductor) on a hybrid of full attention, a window with a sink and Gated DeltaNet: greedy
     tokens identical to the eager static decode and to DecoderLM.generate with and without its cache; the compiled
-    step's logits within the fp32-vs-fp64 gap of the same decode (rounding, not a different computation)."""
+    step's logits (Decoder.greedy_step: the graph greedy generation ran, compiled once) within the fp32-vs-fp64 gap
+    of the same decode (rounding, not a different computation)."""
     torch.manual_seed(0)
     cfg = tiny_model_cfg({"name": "gqa"}, n_layers=3, pattern=["a", "w", "g"], max_seq_len=64,
                          mixers={"a": {"name": "gqa"}, "w": {"name": "sliding_window", "window": 6, "sink_tokens": 1},
@@ -199,19 +200,22 @@ def test_compiled_decode_equals_eager_and_full_forward():
         x = torch.tensor([p])
         assert m.generate(x, 20, temperature=0)[0, len(p):].tolist() == toks
         assert m.generate(x, 20, temperature=0, use_cache=False)[0, len(p):].tolist() == toks
-    # logits of one compiled step vs the same step eager in fp32 and in fp64
-    step = torch.compile(lambda model, t, c: model(t, cache=c)[:, -1], fullgraph=True)
+    # logits of one compiled step (the decoder's own graph: no second compile) vs the same step eager in fp32 and fp64
+    t = torch.tensor([[4], [5], [6]])
+    compiled.prefill(prompts)
+    nxt, outs = compiled.greedy_step(t)
+    outs = {"compiled": outs}
+    assert torch.equal(nxt[:, 0], outs["compiled"].argmax(-1))
     m64 = DecoderLM(cfg, vocab_size=V).eval()
     m64.load_state_dict(m.state_dict())
     m64.double()
-    outs = {}
-    for key, model, fn in (("compiled", m, step), ("fp32", m, None), ("fp64", m64, None)):
+    for key, model in (("fp32", m), ("fp64", m64)):
         cache = model.new_static_cache(3, 40, model.embed.weight.dtype)
         with torch.no_grad():
             for b, p in enumerate(prompts):
                 model(torch.tensor([p]), cache=cache.row(b))
-            t = torch.tensor([[4], [5], [6]])
-            outs[key] = fn(model, t, cache) if fn else model(t, cache=cache)[:, -1]
+            outs[key] = model(t, cache=cache)[:, -1]
+    assert compiled.compiled and len(outs["compiled"]) == 3
     torch.testing.assert_close(outs["compiled"].double(), outs["fp64"], atol=gap_atol(outs["fp32"], outs["fp64"]),
                                rtol=0)
 

@@ -162,7 +162,7 @@ def rate(dec: Decoder, context: int, steps: int) -> float:
         sync(dev)
         t0 = time.perf_counter()
         for _ in range(steps):
-            tok = dec._step(tok, None, None, None, None)
+            tok = dec._step(tok, None, None, None, None)[0]
         sync(dev)
         best = min(best, time.perf_counter() - t0)
     return dec.batch * steps / best

@@ -56,9 +56,11 @@ def draw(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k
     return (probs / noise).argmax(dim=-1, keepdim=True)
 
 
-def decode_step(model, cache, tokens: torch.Tensor, noise, temperature, top_k, top_p) -> torch.Tensor:
-    """tokens (B, 1) at each row's position in `cache` (advanced in place) -> the next tokens (B, 1) (`draw`)."""
-    return draw(model(tokens, cache=cache)[:, -1], noise, temperature, top_k, top_p)
+def decode_step(model, cache, tokens: torch.Tensor, noise, temperature, top_k, top_p) -> tuple:
+    """tokens (B, 1) at each row's position in `cache` (advanced in place) -> (the next tokens (B, 1) (`draw`), the
+    logits (B, V) they were drawn from: one more output of the same graph, for `Decoder.greedy_step`)."""
+    logits = model(tokens, cache=cache)[:, -1]
+    return draw(logits, noise, temperature, top_k, top_p), logits
 
 
 class Decoder:
@@ -118,9 +120,16 @@ class Decoder:
         return out
 
     # ------------------------------------------------------------------ one step
-    def step(self, tokens: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k, top_p) -> torch.Tensor:
-        """One decode step of every row: tokens (B, 1) at each row's position -> the next tokens (B, 1)."""
+    def step(self, tokens: torch.Tensor, noise: Optional[torch.Tensor], temperature, top_k, top_p) -> tuple:
+        """One decode step of every row, eager: tokens (B, 1) at each row's position -> (the next tokens (B, 1),
+        their logits (B, V))."""
         return decode_step(self.model, self.cache, tokens, noise, temperature, top_k, top_p)
+
+    @torch.no_grad()
+    def greedy_step(self, tokens: torch.Tensor) -> tuple:
+        """One greedy step of every row through the decoder's own step (the compiled graph where it compiles, the one
+        greedy `generate` runs): tokens (B, 1) -> (the next tokens (B, 1), the logits (B, V) they were taken from)."""
+        return self._step(tokens, None, None, None, None)
 
     @torch.no_grad()
     def prefill(self, prompts: list) -> torch.Tensor:
@@ -135,9 +144,9 @@ class Decoder:
         return torch.cat([self.model(torch.tensor([p], device=dev), cache=self.cache.row(b))[:, -1]
                           for b, p in enumerate(rows)])
 
-    def _eager_rows_step(self, tokens, noise, temperature, top_k, top_p) -> torch.Tensor:
+    def _eager_rows_step(self, tokens, noise, temperature, top_k, top_p) -> tuple:
         logits = torch.cat([self.model(tokens[b:b + 1], cache=c)[:, -1] for b, c in enumerate(self.rows)])
-        return draw(logits, noise, temperature, top_k, top_p)
+        return draw(logits, noise, temperature, top_k, top_p), logits
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -186,7 +195,7 @@ class Decoder:
                     break
             if t + 1 == max_new_tokens:
                 break
-            nxt = self._step(nxt, noise(), temp, k, p)
+            nxt = self._step(nxt, noise(), temp, k, p)[0]
             steps += 1
         tokens = out[:n].tolist()
         tokens = [r[:e] for r, e in zip(tokens, ended_at)]
@@ -207,12 +216,12 @@ class Decoder:
         else:
             filled, allocated = self.cache.nbytes(), self.cache.allocated_bytes()
         for _ in range(untimed_steps(nxt.device.type)):
-            nxt = self._step(nxt, None, None, None, None)
+            nxt = self._step(nxt, None, None, None, None)[0]
         sync = torch.cuda.synchronize if nxt.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            nxt = self._step(nxt, None, None, None, None)
+            nxt = self._step(nxt, None, None, None, None)[0]
         sync()
         return {"tokens_per_sec": self.batch * steps / (time.perf_counter() - t0), "filled_bytes": filled,
                 "allocated_bytes": allocated}
