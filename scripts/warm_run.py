@@ -16,6 +16,7 @@ without a fork server) runs a real `python` instead.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,7 @@ class WarmProcess:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         self._proc.join(timeout)

@@ -65,15 +65,12 @@ def start_ranks(worker: Callable, args: tuple, nprocs: int) -> None:
 
 
 def _as_started_here(rank: int, worker: Callable, env: dict, cwd: str, *args) -> None:
-    """A rank forked from the fork server, with the environment and working directory of the process that started
-    it and the platform's default start method for what it starts (as `launch.become_fresh_process`); then
+    """A rank forked from the fork server made what a process spawned by the caller would be
+    (`launch.become_fresh_process`: its environment, directory, thread count, start method); then
     `worker(rank, *args)`."""
-    import multiprocessing
+    from attnzoo.training.launch import become_fresh_process
 
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    multiprocessing.set_start_method(None, force=True)
+    become_fresh_process(env, cwd)
     worker(rank, *args)
 
 

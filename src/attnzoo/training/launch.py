@@ -182,10 +182,11 @@ def _detach(dup):
     return dup
 
 
-def become_fresh_process(env: dict, cwd: str, stdout, stderr) -> None:
+def become_fresh_process(env: dict, cwd: str, stdout=None, stderr=None) -> None:
     """In a child forked from the fork server: take on what a process started for it with `env` in `cwd`, output to
-    `stdout` / `stderr` (`_Fd`s), would have: that environment, directory and output; torch's thread count and
-    Lightning's rank from that environment (both read at import, in the server's); the platform's default start
+    `stdout` / `stderr` (`_Fd`s; None: the server's, as multiprocessing leaves them), would have: that environment,
+    directory and output; torch's thread count and Lightning's rank from that environment (both read at import, in
+    the server's); the platform's default start
     method for the processes it starts (multiprocessing hands a forkserver child its own: a DataLoader's workers
     would come from a fork server of their own and, their parent not being the loader's process, outlive it)."""
     import multiprocessing
@@ -197,6 +198,8 @@ def become_fresh_process(env: dict, cwd: str, stdout, stderr) -> None:
     os.environ.update(env)
     os.chdir(cwd)
     for target, handle in ((1, stdout), (2, stderr)):
+        if handle is None:
+            continue
         fd = handle.detach()
         os.dup2(fd, target)
         os.close(fd)
