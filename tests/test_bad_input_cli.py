@@ -1,6 +1,9 @@
 """Bad options of attnzoo-generate, attnzoo-eval and attnzoo-bench: exit status 2, exactly one stderr line naming
 the option and what is allowed, before any work (the checkpoint is not read, the benchmark does not run) and
 nothing written. The rows of docs/reliability.md's table come from scripts/bad_input_table.py (EXTRA)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,19 +105,37 @@ def test_a_sharded_folder_whose_save_did_not_finish_is_named_so(tmp_path, capsys
     assert refused(capsys, eval_main, [str(folder)]).startswith("attnzoo-eval: error: " + want)
 
 
-def test_generate_past_the_learned_position_table_is_one_line(learned_run, tmp_path, capsys):
-    """'def ' is 4 characters: 36 new tokens fill the table of 40 exactly, 37 do not fit (was a traceback)."""
-    got = refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37"])
-    assert got == ("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed the "
-                   "learned position table (model.max_seq_len=40); allowed: <= 36")
+def test_generate_past_the_learned_position_table_is_one_line(learned_run, tmp_path, capsys, monkeypatch):
+    """'def ' is 4 characters: 36 new tokens fill the table of 40 exactly, 37 do not fit (was a traceback). Refused
+    from the config the checkpoint carries, before the run is loaded (inference/commands.py precheck_prompt_fit),
+    and in a process that never imports torch; the loaded run's own check (generate.py) gives the same line."""
+    from attnzoo.distributed.checkpoint_files import saved_run_config
+
+    want = ("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed the learned "
+            "position table (model.max_seq_len=40); allowed: <= 36")
     prompts = tmp_path / "p.txt"
     prompts.write_text("d\n" + "x" * 40 + "\n")  # every prompt is checked before the first is sampled
-    got = refused(capsys, generate_main, [str(learned_run), "--prompts", str(prompts), "--max-new-tokens", "1"])
-    assert got == ("attnzoo-generate: error: --prompts: prompt 2 (40 tokens) fills the learned position table "
-                   "(model.max_seq_len=40); allowed: a prompt of < 40 tokens")
-    # --extrapolate does not stretch a learned table
-    got = refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37", "--extrapolate"])
-    assert got.startswith("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed")
+    with monkeypatch.context() as m:
+        m.setattr(inference, "load", lambda *a, **k: pytest.fail("loaded the run before checking"))
+        assert refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37"]) == want
+        got = refused(capsys, generate_main, [str(learned_run), "--prompts", str(prompts), "--max-new-tokens", "1"])
+        assert got == ("attnzoo-generate: error: --prompts: prompt 2 (40 tokens) fills the learned position table "
+                       "(model.max_seq_len=40); allowed: a prompt of < 40 tokens")
+        # --extrapolate does not stretch a learned table
+        got = refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37", "--extrapolate"])
+        assert got.startswith("attnzoo-generate: error: --max-new-tokens: the prompt (4 tokens) + 37 new tokens exceed")
+    # where the saved config cannot be read without torch, the loaded run refuses it in the same line
+    with monkeypatch.context() as m:
+        m.setattr("attnzoo.distributed.checkpoint_files.saved_run_config", lambda path: None)
+        assert refused(capsys, generate_main, [str(learned_run), "def ", "--max-new-tokens", "37"]) == want
+    probe = ("import sys\nfrom attnzoo.inference.commands import generate_main\ntry:\n    generate_main(sys.argv[1:])\n"
+             "finally:\n    print('torch' in sys.modules, 'lightning' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe, str(learned_run), "def ", "--max-new-tokens", "37"],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr.strip(), r.stdout.strip()) == (2, want, "False False")
+    # the config read without torch is the one torch reads
+    ckpt = learned_run / "checkpoints" / "last.ckpt"
+    assert saved_run_config(ckpt) == torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]["cfg"]
     generate_main([str(learned_run), "def ", "--max-new-tokens", "36", "--top-k", "0", "--top-p", "1"])  # the edge fits
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out.rstrip("\n")) >= 4

@@ -241,6 +241,27 @@ def test_a_payload_in_a_single_file_checkpoint(tmp_path, capsys):
     assert "bad.ckpt cannot be loaded" in msg and not marker.exists()
 
 
+def test_the_torch_free_config_read_never_runs_a_payload(tmp_path):
+    """distributed/checkpoint_files.saved_run_config (attnzoo-generate's early look at a run's config) reads the
+    archive's pickle with its own allowlist: a payload anywhere in it - beside the config or inside it - stops the
+    read (None: the caller loads with weights_only as before), unrun; a plain checkpoint's config reads whole."""
+    from attnzoo.distributed.checkpoint_files import saved_run_config
+
+    marker = tmp_path / "marker"
+    cfg = {"model": {"max_seq_len": 40, "position": {"name": "learned"}}, "data": {"name": "text"}}
+    torch.save({"global_step": 1, "state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"cfg": cfg}},
+               tmp_path / "plain.ckpt")
+    assert saved_run_config(tmp_path / "plain.ckpt") == cfg
+    for i, where in enumerate(("beside", "inside")):
+        bad = {"global_step": 1, "state_dict": {"w": torch.ones(2)},
+               "hyper_parameters": {"cfg": {**cfg, "x": Payload(f"open({str(marker)!r}, 'w')")} if where == "inside"
+                                    else cfg}}
+        if where == "beside":
+            bad["x"] = Payload(f"open({str(marker)!r}, 'w')")
+        torch.save(bad, tmp_path / f"bad{i}.ckpt")
+        assert saved_run_config(tmp_path / f"bad{i}.ckpt") is None and not marker.exists(), where
+
+
 @pytest.mark.parametrize("damage,expect", [
     ("escape", "names a shard outside the folder ('../outside.distcp')"),
     ("absolute", "names a shard outside the folder ('/tmp/"),

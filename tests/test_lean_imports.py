@@ -65,6 +65,10 @@ REFUSED_HERE = [  # refused on a machine without CUDA (config/machine.py: a CPU 
     ["trainer=gpu"], ["trainer=ddp"], ["trainer=fsdp"], ["model/mixer=gated_deltanet", "model.impl=fla"],
     ["model/mixer=sliding_window", "model.impl=flex"],
 ]
+REFUSED_EARLY = [  # refused from the config alone, where the exact answer needs the model (issue 45: floors)
+    (["trainer.max_flops=1000"], "trainer.max_flops: 1000 is below one optimizer step (at least"),
+    (["model/ffn=none", "+model_budget={params: 10}"], "model_budget.params: 10 parameters is out of reach"),
+]
 VALIDATE_PROBE = f"""
 import json, sys
 from pathlib import Path
@@ -93,6 +97,12 @@ with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         except ConfigError as e:
             checked += 1
             assert "no CUDA" in str(e), e
+    for i, (extra, start) in enumerate({REFUSED_EARLY!r}):
+        cfg = compose("train", overrides=[f"paths.output_dir={{tmp}}/early{{i}}", *extra])
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            checked += str(e).startswith(start)
 (tmp / "bad.ckpt").write_bytes(b"PK truncated")
 try:
     check_checkpoint_file(tmp / "bad.ckpt")
@@ -118,7 +128,7 @@ def test_config_checks_import_neither_torch_nor_lightning(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"checked": len(VALIDATED) + 2 + got["refused_here"], "refused_here": got["refused_here"],
+    assert got == {"checked": len(VALIDATED) + 2 + len(REFUSED_EARLY) + got["refused_here"], "refused_here": got["refused_here"],
                    "torch": False, "lightning": False, "dynamo": False}, got
 
 

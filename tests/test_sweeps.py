@@ -300,6 +300,23 @@ def test_budget_without_ffn_sets_head_dim_and_rejects_unreachable():
         match_budget(tiny(), 256, 10)  # below what the rest of the model already holds
 
 
+def test_budget_floor_is_below_every_mixers_smallest_model():
+    """norm_params_floor (the torch-free refusal of an unreachable target, config_checks) never exceeds the count
+    at the smallest width the search can set, for every mixer, pre/post norm, rmsnorm/layernorm: it refuses
+    only what match_budget would."""
+    from attnzoo.config.registry import MIXERS
+    from attnzoo.config.schema import resolve_model
+    from attnzoo.training.budget import norm_params_floor
+
+    for i, name in enumerate(sorted(MIXERS.names())):
+        for ffn in ("none", "swiglu"):
+            cfg = {**tiny(ffn, name), "norm_position": ("pre", "post")[i % 2],
+                   "norm": {"name": ("rmsnorm", "layernorm")[(i // 2) % 2]}}
+            smallest = {**cfg, "head_dim": 2} if ffn == "none" else {**cfg, "ffn": {"name": ffn, "d_ff": 1}}
+            floor = norm_params_floor(resolve_model(copy.deepcopy(cfg)))
+            assert 0 < floor <= count_params(smallest, 256), (name, ffn)
+
+
 @pytest.mark.parametrize("ffn,frac", [("swiglu", 0.25), ("swiglu", 0.75), ("none", 0.25), ("none", 0.75)])
 def test_budget_picks_the_closest_width_not_the_next_one_up(ffn, frac):
     """A target a quarter of one width step above width w: w is closest, rounding up would give w + 1 step;

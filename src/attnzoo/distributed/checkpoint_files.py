@@ -66,3 +66,56 @@ def check_consolidate_paths(src: str | Path, dst: str | Path) -> Path:
     why = unwritable(dst)  # under a file, or a read-only folder: refused before the checkpoint is read
     check(why is None, "DST", f"{dst} cannot be written ({why}); allowed: a path under a writable directory")
     return dst
+
+
+def saved_run_config(path: str | Path) -> Optional[dict]:
+    """The run config a `.ckpt` file carries (Lightning's hyper_parameters.cfg), read without torch (issue 45: a
+    refusal that needs only the run's config - a prompt past its learned position table - comes before torch's
+    import). The archive's pickle is read with an allowlist as torch's weights_only load is, stricter: a tensor,
+    storage or any other torch global reads as None (its bytes are never touched), an OrderedDict as a dict, and
+    any other global stops the read. None when the file is not such a checkpoint or its config is not plain data;
+    the caller then loads it with torch as before, which makes the same checks."""
+    import pickle
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if module == "collections" and name == "OrderedDict":
+                return _Record  # a state dict: its `_metadata` attribute is set on it
+            if module == "torch" or module.startswith("torch."):
+                return _nothing
+            raise pickle.UnpicklingError(f"{module}.{name} is not read here")
+
+        def persistent_load(self, pid):  # a tensor's storage record: left unread
+            return None
+
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        with zipfile.ZipFile(p) as z:
+            name = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if name is None:
+                return None
+            with z.open(name) as f:
+                state = _Unpickler(f).load()
+    except Exception:  # noqa: BLE001 - anything unexpected: torch reads it as before
+        return None
+    cfg = ((state.get("hyper_parameters") or {}).get("cfg") if isinstance(state, dict) else None)
+    return cfg if isinstance(cfg, dict) and _plain(cfg) else None
+
+
+class _Record(dict):
+    """An OrderedDict of the archive, read as a dict that takes attributes."""
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _plain(node) -> bool:
+    """Only the types a resolved OmegaConf container holds."""
+    if isinstance(node, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in node.items())
+    if isinstance(node, (list, tuple)):
+        return all(_plain(v) for v in node)
+    return node is None or isinstance(node, (str, int, float, bool))

@@ -114,6 +114,94 @@ def precheck_checkpoint(path: str, best: bool) -> None:
         check_checkpoint_file(ckpt, field="checkpoint")
 
 
+def check_prompt_fit(prompts: list, encode, position: str, max_seq_len: int, max_new_tokens: int,
+                     extrapolate: bool = False) -> None:
+    """Every prompt encodes to tokens and fits model.max_seq_len with its new tokens (`model.max_seq_len`: the
+    longest prompt + generation, config/schema.py), for every position method: with learned positions a hard limit
+    (the table), with computed ones unless `extrapolate`. Checked for all prompts before the first is sampled; by
+    precheck_prompt_fit on the checkpoint's saved config (torch-free) and by generate.py on the loaded run."""
+    limit = max_seq_len if position == "learned" else None
+    if limit is None and not extrapolate:
+        for i, prompt in enumerate(prompts):
+            n = len(encode(prompt))
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            if n + max_new_tokens > max_seq_len:
+                raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed model.max_seq_len="
+                                  f"{max_seq_len} ({position} positions: lengths the model is not sized for); "
+                                  f"allowed: <= {max(max_seq_len - n, 0)}, or --extrapolate to generate past it",
+                                  field="--max-new-tokens")
+    field = "prompt" if len(prompts) == 1 else "--prompts"
+    for i, prompt in enumerate(prompts):
+        n = len(encode(prompt))
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if n == 0:
+            raise ConfigError(f"{which} encodes to no tokens", field=field)
+        if limit is not None and n >= limit:
+            raise ConfigError(f"{which} ({n} tokens) fills the learned position table (model.max_seq_len={limit}); "
+                              f"allowed: a prompt of < {limit} tokens", field=field)
+        if limit is not None and n + max_new_tokens > limit:
+            raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed the learned position "
+                              f"table (model.max_seq_len={limit}); allowed: <= {limit - n}", field="--max-new-tokens")
+
+
+def saved_prompt_encoder(cfg: dict):
+    """The run's prompt encoding from its saved config, without torch or Lightning (what its data module's `encode`
+    does: the text corpus's tokenizer from the run's cache, a prepared folder's tokenizer.json, token ids for a
+    synthetic task), or None where that needs more than reading files (a data.source to prepare, a missing file)."""
+    from attnzoo.data import DATAMODULES
+
+    data = cfg.get("data") or {}
+    name = data.get("name", "text")
+    if name not in DATAMODULES.names():
+        return None
+    if name not in ("text", "shards"):  # a synthetic task's prompt is token ids (LoadedRun.encode without `encode`)
+        natural = getattr(DATAMODULES.get(name).config_cls, "natural_text", False)
+        return None if natural else (lambda s: [int(t) for t in s.split()])
+    from attnzoo.data.tokenizer import FileTokenizer
+
+    if name == "shards":
+        path = data.get("path")
+        tok_file = Path(str(path)).expanduser() / "tokenizer.json" if path else None
+        return FileTokenizer.from_file(tok_file).encode if tok_file is not None and tok_file.is_file() else None
+    if name != "text":
+        return None
+    if data.get("tokenizer") == "file":
+        tok_file = Path(str(data.get("tokenizer_file"))).expanduser()
+        return FileTokenizer.from_file(tok_file).encode if tok_file.is_file() else None
+    from attnzoo.data.corpus import load_corpus, text_sha
+    from attnzoo.data.tokenizer import get_tokenizer
+
+    text, _ = load_corpus(data.get("path"), data.get("max_chars"))
+    cache = Path((cfg.get("paths") or {}).get("cache_dir") or "~/.cache/attnzoo").expanduser()
+    return get_tokenizer(data.get("tokenizer", "bpe"), text, data.get("vocab_size"), cache, text_sha(text)).encode
+
+
+def precheck_prompt_fit(args: argparse.Namespace, prompts: list) -> None:
+    """check_prompt_fit on the config the checkpoint carries, read without torch (issue 45: a prompt past the
+    learned table is refused in the time of Python's start, not after torch and the run are loaded). Where the
+    config cannot be read so (a sharded checkpoint, an unexpected archive, a data.source to prepare) nothing is
+    said here: generate.py makes the same check on the loaded run."""
+    from attnzoo.distributed.checkpoint_files import saved_run_config
+    from attnzoo.training.families import family_of
+
+    ckpt = resolve_checkpoint(args.run, args.best)
+    cfg = None if is_sharded_checkpoint(ckpt) else saved_run_config(ckpt)
+    if cfg is None or not isinstance(cfg.get("model"), dict):
+        return
+    model = cfg["model"]
+    try:
+        if not family_of(model).decoder_only:
+            return
+        encode = saved_prompt_encoder(cfg)
+        if encode is None:
+            return
+        encode(prompts[0])
+    except (ConfigError, ValueError, OSError, TypeError, KeyError):  # the loaded run reports it as before
+        return
+    position = (model.get("position") or {}).get("name", "none")
+    check_prompt_fit(prompts, encode, position, int(model["max_seq_len"]), args.max_new_tokens, args.extrapolate)
+
+
 # ----------------------------------------------------------------------------- attnzoo-generate
 
 
@@ -161,6 +249,7 @@ def precheck_generate(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"{args.prompts} holds no prompt (no non-blank line); allowed: one prompt per line",
                           field="--prompts")
     precheck_checkpoint(args.run, args.best)
+    precheck_prompt_fit(args, prompts)
     return prompts
 
 

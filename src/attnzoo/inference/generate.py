@@ -40,7 +40,7 @@ from attnzoo.data import DATAMODULES, build_datamodule
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks
 from attnzoo.mixers.kv_quant import KVFormat, coverage, quantizes
-from attnzoo.models.decoding import Decoder, position_table
+from attnzoo.models.decoding import Decoder
 from attnzoo.training.checkpoint_io import check_checkpoint
 from attnzoo.training.families import family_of
 
@@ -219,34 +219,10 @@ def run_generate(args: argparse.Namespace, prompts: list[str]) -> None:
 
 
 def _check_prompts(run: LoadedRun, prompts: list, max_new_tokens: int, extrapolate: bool = False) -> None:
-    """Every prompt encodes to tokens and fits model.max_seq_len with its new tokens (`model.max_seq_len`: the
-    longest prompt + generation, config/schema.py), for every position method: with learned positions a hard limit
-    (the table), with computed ones unless `extrapolate` (was: refused only for learned positions). Checked for all
-    prompts before the first is sampled."""
-    limit = position_table(run.model)
+    """inference/commands.py check_prompt_fit on the loaded run (its model's positions, its tokenizer)."""
     cfg = run.model.cfg
-    if limit is None and not extrapolate:
-        position = getattr(getattr(cfg, "position", None), "name", "none")
-        for i, prompt in enumerate(prompts):
-            n = len(run.encode(prompt))
-            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
-            if n + max_new_tokens > cfg.max_seq_len:
-                raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed model.max_seq_len="
-                                  f"{cfg.max_seq_len} ({position} positions: lengths the model is not sized for); "
-                                  f"allowed: <= {max(cfg.max_seq_len - n, 0)}, or --extrapolate to generate past it",
-                                  field="--max-new-tokens")
-    field = "prompt" if len(prompts) == 1 else "--prompts"
-    for i, prompt in enumerate(prompts):
-        n = len(run.encode(prompt))
-        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
-        if n == 0:
-            raise ConfigError(f"{which} encodes to no tokens", field=field)
-        if limit is not None and n >= limit:
-            raise ConfigError(f"{which} ({n} tokens) fills the learned position table (model.max_seq_len={limit}); "
-                              f"allowed: a prompt of < {limit} tokens", field=field)
-        if limit is not None and n + max_new_tokens > limit:
-            raise ConfigError(f"{which} ({n} tokens) + {max_new_tokens} new tokens exceed the learned position "
-                              f"table (model.max_seq_len={limit}); allowed: <= {limit - n}", field="--max-new-tokens")
+    check_prompt_fit(prompts, run.encode, getattr(getattr(cfg, "position", None), "name", "none"), cfg.max_seq_len,
+                     max_new_tokens, extrapolate)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -346,5 +322,5 @@ def run_eval(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-from attnzoo.inference.commands import (KV_FLAGS, check_out_file, check_sampling, eval_main,  # noqa: E402,F401
-                                        generate_main, kv_format_args, resolve_checkpoint)
+from attnzoo.inference.commands import (KV_FLAGS, check_out_file, check_prompt_fit, check_sampling,  # noqa: E402,F401
+                                        eval_main, generate_main, kv_format_args, resolve_checkpoint)

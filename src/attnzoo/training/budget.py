@@ -143,6 +143,29 @@ def check_budget(budget: Any) -> None:
         raise ConfigError(f"got {tol!r}; allowed: a relative tolerance > 0, e.g. 0.02 (2%)", field="model_budget.tol")
 
 
+def norm_params_floor(model: Any) -> int:
+    """Parameters every decoder LM of this config has at any width the budget sets (torch-free, from the resolved
+    ModelConfig): its norms' gains alone - one norm before (pre) or after (post) each layer's mixer, and a final
+    norm with pre-norm - which neither model.ffn.d_ff nor model.head_dim changes. A floor, not the count."""
+    per_norm = model.d_model * (2 if model.norm.name == "layernorm" else 1)  # LayerNorm: weight and bias
+    return per_norm * (model.n_layers + (model.norm_position == "pre"))
+
+
+def check_budget_floor(budget: Any, model: Any) -> None:
+    """A `params` target the model's floor (norm_params_floor) already passes by more than the tolerance: no width
+    can reach it, refused before torch (issue 45; match_budget refuses the targets between the floor and the
+    smallest model once it has counted them). Decoder LMs; a `match` target is counted from its reference, later."""
+    if not budget or "params" not in budget:
+        return
+    params, tol = float(budget["params"]), float(budget.get("tol", 0.02))
+    floor = norm_params_floor(model)
+    key = width_field({"ffn": {"name": getattr(model.ffn, "name", "swiglu")}})[0]
+    if floor > params * (1 + tol):
+        raise ConfigError(f"{params:.6g} parameters is out of reach: the model has at least {floor:,} at any "
+                          f"model.{key} (its norms' gains alone, {model.n_layers} layers x d_model={model.d_model}); "
+                          f"allowed: a target of the smallest model's count or more", field="model_budget.params")
+
+
 def budget_target(model_cfg: dict, vocab_size: int, budget: dict) -> int:
     """The parameter target: `params: N`, or `match: {model keys}` = as many parameters as this model would
     have with those keys replaced, at its other sizes (e.g. match: {pattern: [gqa]} holds every variant of a

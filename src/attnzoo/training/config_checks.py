@@ -22,7 +22,7 @@ from attnzoo.config.machine import cuda_available, kernel_refusal
 from attnzoo.ops.triton_interpreter import interpreting
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
-from attnzoo.training.budget import check_budget
+from attnzoo.training.budget import check_budget, check_budget_floor
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
 
@@ -277,6 +277,15 @@ def _check_length(run: Any, model: ModelConfig, data: Any) -> None:
         check(t.max_tokens >= per_step, "trainer.max_tokens", f"{t.max_tokens:.4g} is below one batch ({per_step:,} "
               f"tokens a step: data.batch_size x data.seq_len x accumulation x data-parallel ranks); allowed: "
               f">= {per_step}")
+    if t.max_flops is not None:  # a floor of one step's FLOPs without the model (issue 45: refused before torch):
+        # every decoder LM's forward has its LM head, 2 x d_model x vocab (>= 1) FLOPs a token, trained at 3x;
+        # a budget above this floor but below the model's own step is refused once it is built (config/stops.py)
+        per_step = tokens_per_step(data.batch_size, data.seq_len, t.accumulate_grad_batches,
+                                   max(1, requested_devices(t) * t.num_nodes // t.context_parallel))
+        floor = per_step * 6.0 * model.d_model
+        check(t.max_flops >= floor, "trainer.max_flops", f"{t.max_flops:.4g} is below one optimizer step (at least "
+              f"{floor:.4g} FLOPs: {per_step:,} tokens x 3 x the LM head's 2 x d_model={model.d_model} x vocab per "
+              f"token, before the layers add theirs); allowed: a budget of many such steps, or a smaller model / batch")
     check(t.max_steps is not None or t.max_tokens is not None or t.max_flops is not None, "trainer.max_steps",
           "is null and no budget is set; allowed: a positive number of steps, or trainer.max_tokens / max_flops")
 
@@ -371,6 +380,8 @@ def validate(cfg: DictConfig) -> dict:
     if family.check_with_data is not None:  # e.g. an image encoder's patches against the data's image size
         family.check_with_data(model, data)
     check_budget(container.get("model_budget"))
+    if family.name == "decoder":
+        check_budget_floor(container.get("model_budget"), model)
     check_choice(run.optim.name, "optim.name", ("adamw",))
     check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
     check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",
