@@ -32,13 +32,51 @@ SMALL_TEXT = ["data.max_chars=300000", "data.vocab_size=512"]
 
 
 def compose_cfg(overrides: list[str], output_dir: Path | str | None = None):
-    """Compose conf/train.yaml with overrides, as `attnzoo-train` would (outside a Hydra run)."""
+    """Compose conf/train.yaml with overrides, as `attnzoo-train` would (outside a Hydra run).
+
+    Hydra's compose makes the defaults list from the config-group overrides, merges it, and then applies the other
+    overrides (plain values, `+key`, `~key`) to the merged config (ConfigLoaderImpl._apply_overrides_to_config).
+    A worker keeps each merged config it composed (one per set of group overrides: ~0.2 s a compose, issue 45) and
+    applies the plain overrides of a call to a copy of it with that same Hydra function: the same config
+    (tests/test_config.py checks it against a full compose over every bad-input case)."""
+    ov = list(overrides) + [f"paths.cache_dir={SESSION_CACHE}"]
+    if output_dir is not None:
+        ov.append(f"paths.output_dir={output_dir}")
+    return _compose_split(ov)
+
+
+_MERGED: dict = {}  # (group overrides...) -> the composed config (with its hydra node), per worker
+
+
+def _compose_full(overrides: list[str], hydra_node: bool = False):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        ov = list(overrides) + [f"paths.cache_dir={SESSION_CACHE}"]
-        if output_dir is not None:
-            ov.append(f"paths.output_dir={output_dir}")
-        return compose(config_name="train", overrides=ov)
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra_node)
+
+
+def _compose_split(overrides: list[str]):
+    import copy
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    if any(o.is_sweep_override() for o in parsed):
+        return _compose_full(overrides)
+
+    def group(o) -> bool:  # consumed by the defaults list (a config group's option, Hydra's own settings)
+        key = o.key_or_group.lstrip("+~")
+        return (o.package is not None or "/" in key or key.startswith("hydra") or (CONF_DIR / key).is_dir())
+
+    groups = tuple(o.input_line for o in parsed if group(o))
+    if groups not in _MERGED:
+        _MERGED[groups] = _compose_full(list(groups), hydra_node=True)
+    cfg = copy.deepcopy(_MERGED[groups])
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if not group(o)], cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 @pytest.fixture

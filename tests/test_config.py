@@ -194,3 +194,34 @@ def test_summary_names_the_kv_heads_each_layer_really_has(mixer, kv):
 
     m = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "mixer": {"name": mixer}}, vocab_size=16)
     assert kv_heads_of(m) == kv and f"heads=4/{kv}kv" in describe_model(m)
+
+
+def test_the_suites_compose_shortcut_equals_hydras_compose(tmp_path):
+    """tests/conftest.compose_cfg merges each set of group overrides once per worker and applies the plain ones to
+    a copy with Hydra's own step: for each kind of override the suite gives it (plain values of every type, NaN, a
+    list, a mapping, `+` additions, `~` deletions, groups before and after values, an experiment's own values
+    overridden, a misspelt key, a group that does not exist), the same config as a full compose, or the same
+    refusal."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import SESSION_CACHE, _compose_full, _compose_split
+
+    lists = [
+        [], ["debug=smoke", "data.max_chars=300000", "data.tokenizer=char", "trainer.max_flops=nan"],
+        ["optim.betas=[0.9]", "model.pattern=[gqa,deltanet]", "model.n_layers=2"],
+        ["model/ffn=none", "+model_budget={params: 10}"], ["+trainer.fsdp.nosuch=1"], ["~model.mixer"],
+        ["model.n_head=4"], ["model/mixer=nope"], ["data.seq_len=32", "experiment=mqar", "model.d_model=16"],
+        ["experiment=mqar", "model.mixers.gla.expand_k=1", "debug=smoke"], ["model=vlm", "data=shapes",
+        "model/connector=resampler", "model.connector.n_queries=0"], ["+model/connector=concat", "model=vit", "data=digits"],
+        ["trainer=fsdp_cpu", "trainer.fsdp.reshard_after_forward=2"], ["logger=[tensorboard,wandb]", "seed=3"],
+    ]
+    for overrides in lists:
+        ov = [*overrides, f"paths.cache_dir={SESSION_CACHE}", f"paths.output_dir={tmp_path / 'run'}"]
+        try:
+            want = OmegaConf.to_yaml(_compose_full(ov))
+        except Exception as e:  # noqa: BLE001 - the same refusal, then
+            with pytest.raises(type(e)) as got:
+                _compose_split(ov)
+            assert str(got.value) == str(e), overrides
+            continue
+        assert OmegaConf.to_yaml(_compose_split(ov)) == want, overrides
