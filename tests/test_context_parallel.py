@@ -95,8 +95,10 @@ def _assert_equal(rows):
 
 
 def test_every_mixer_sharded_on_two_processes_equals_one_process():
+    # the reference ring (the plain, obviously-correct exchange beside the fast one) in float64 only, where it is
+    # checked exactly; the fast ring, the one runs use, in both dtypes (float32: its casts on the way round)
     jobs = [(c, lay, dt, 48, 2, impl) for c in CASES for lay in ("zigzag", "contiguous") for dt in ("float64", "float32")
-            for impl in ("fast", "reference")]
+            for impl in ("fast", "reference") if (impl, dt) != ("reference", "float32")]
     rows = run_check(2, jobs)
     assert {r["mixer"] for r in rows} == set(CASES)
     _assert_equal(rows)

@@ -168,15 +168,15 @@ def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, worke
             assert all(torch.equal(a, b) for a, b in zip(run(resumed), epoch2))
 
 
-def killed_mid_run(overrides: list, run: Path) -> int:
-    """`attnzoo-train` (the CLI, in its own process) SIGKILLed once a checkpoint at step >= 8 exists (of 60);
+def killed_mid_run(overrides: list, run: Path, steps: int = 60) -> int:
+    """`attnzoo-train` (the CLI, in its own process) SIGKILLed once a checkpoint at step >= 8 exists (of `steps`);
     returns the step of the checkpoint it left."""
     p = cli(overrides + [f"hydra.run.dir={run}"])
     wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
     p.send_signal(signal.SIGKILL)
     p.wait()
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert 8 <= saved < 60
+    assert 8 <= saved < steps
     return saved
 
 
@@ -226,17 +226,19 @@ def test_ddp_two_ranks_two_workers_sigkill_then_resume_equals_uninterrupted(smal
     """2 DDP processes (trainer=ddp_cpu) x 2 loader workers on shards: the run trains on both ranks and logs
     train/tokens_seen for both; SIGKILL of the launcher mid-run (its ranks die with it), then a resume from the
     last checkpoint: every train/loss row from there on equals the uninterrupted run's, across an epoch boundary
-    (~6 steps an epoch on two ranks)."""
+    (~6 steps an epoch on two ranks; 36 steps: the kill at step >= 8 leaves ~28 steps, ~5 s idle, for the poll of
+    wait_for_checkpoint, every 0.2 s, to see it)."""
+    steps = 36
     common = base(small_corpus) + ["trainer=ddp_cpu", "trainer.val_check_interval=100",
-                                   "callbacks.checkpoint_every_n_steps=4", "trainer.max_steps=60"]
+                                   "callbacks.checkpoint_every_n_steps=4", f"trainer.max_steps={steps}"]
     ref = tmp_path / "ref"
     train(compose_cfg(common, ref))
     summary = json.loads((ref / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_step"] == 60
+    assert summary["world_size"] == 2 and summary["global_step"] == steps
     seen = [float(r["train/tokens_seen"]) for r in rows(ref) if r.get("train/tokens_seen")]
-    assert seen == [float(2 * B * T * s) for s in range(1, 61)]
+    assert seen == [float(2 * B * T * s) for s in range(1, steps + 1)]
     run = tmp_path / "killed"
-    saved = killed_mid_run(common, run)
+    saved = killed_mid_run(common, run, steps)
     train(compose_cfg(common + ["ckpt_path=last"], run))
     assert_rows_equal_from(ref, run, saved)
 
