@@ -59,7 +59,8 @@ class LitSeq2Seq(_Base):
         super().__init__()
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
-        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id})
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id},
+                                  logger=False)
         self.model = EncoderDecoder(cfg["model"] if model_cfg is None else model_cfg, vocab_size=vocab_size)
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self._setup(cfg)
@@ -112,7 +113,7 @@ class LitMLM(_Base):
         super().__init__()
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
-        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size})
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size}, logger=False)
         self.text_vocab, self.mask_id = vocab_size, vocab_size
         self.model = EncoderMLM(cfg["model"] if model_cfg is None else model_cfg, vocab_size=vocab_size + 1)
         self._setup(cfg)

@@ -38,7 +38,8 @@ class LitImageClassifier(TrainingModule):
     def __init__(self, cfg: dict, vocab_size: int, image_size: int, channels: int, model_cfg=None):
         super().__init__()
         cfg = _plain(cfg)
-        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "image_size": image_size, "channels": channels})
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "image_size": image_size, "channels": channels},
+                                  logger=False)
         self.model = ImageClassifier(cfg["model"] if model_cfg is None else model_cfg, vocab_size, image_size, channels)
         self._setup_training(cfg)
         self._val = None
@@ -84,7 +85,8 @@ class LitVLM(TrainingModule):
     def __init__(self, cfg: dict, vocab_size: int, image_size: int, channels: int, model_cfg=None):
         super().__init__()
         cfg = _plain(cfg)
-        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "image_size": image_size, "channels": channels})
+        self.save_hyperparameters({"cfg": cfg, "vocab_size": vocab_size, "image_size": image_size, "channels": channels},
+                                  logger=False)
         self.model = VisionLanguageModel(cfg["model"] if model_cfg is None else model_cfg, vocab_size, image_size, channels)
         self._setup_training(cfg)
         self._val = None
