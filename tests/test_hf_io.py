@@ -80,6 +80,10 @@ HF_CASES = {
         layer_types=["full_attention", "linear_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[0],
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **MOE)),
+    # Mamba2ForCausalLM: no FFN, no positions; B and C in 2 groups, chunks of 8 (the test sequences cross them)
+    "mamba2-groups2": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, expand=2, state_size=16,
+        n_groups=2, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5, tie_word_embeddings=False)),
 }
 
 
@@ -110,10 +114,11 @@ def test_import_logits_equal_transformers(case, tmp_path):
     torch.testing.assert_close(got, want, atol=atol, rtol=RTOL)
 
 
-@pytest.mark.parametrize("case", ["qwen3-gqa", "qwen3_next-hybrid"])
+@pytest.mark.parametrize("case", ["qwen3-gqa", "qwen3_next-hybrid", "mamba2-groups2"])
 def test_import_cached_decode_equals_transformers(case, tmp_path):
     """q/k norms and Qwen3-Next's gated attention through the caches: prefill 9 tokens, then decode 7 one at
-    a time on both sides (transformers with its own cache: KV for attention, conv + recurrent state for GDN)."""
+    a time on both sides (transformers with its own cache: KV for attention, conv + recurrent state for GDN and
+    Mamba-2)."""
     from tests.test_hf_parity_attention import CACHE_KW, hf_cache
 
     ref = HF_CASES[case]().eval()
@@ -186,6 +191,14 @@ EXPORT_CASES = {  # name -> (attnzoo model section, the transformers class it be
                                                      "qkv_bias": True, "out_bias": True}},
                                  "ffn": {**MOE_FFN, "shared_d_ff": 24, "shared_expert_gate": True, "first_k_dense": 1}},
                                 "Qwen3NextForCausalLM"),
+    "mamba2": ({**TINY, "position": {"name": "none"}, "ffn": {"name": "none"}, "norm": {"name": "rmsnorm", "eps": 1e-5},
+                "mixer": {"name": "mamba2", "head_dim": 8, "d_state": 16, "n_groups": 2, "chunk_size": 8}},
+               "Mamba2ForCausalLM"),
+    "mamba2-tied-nobias": ({**TINY, "position": {"name": "none"}, "ffn": {"name": "none"}, "tie_embeddings": True,
+                            "norm": {"name": "rmsnorm", "eps": 1e-5},
+                            "mixer": {"name": "mamba2", "head_dim": 16, "d_state": 8, "conv_bias": False,
+                                      "chunk_size": 4}},
+                           "Mamba2ForCausalLM"),
 }
 
 
@@ -262,6 +275,12 @@ def one_line(err: pytest.ExceptionInfo, *needles: str) -> str:
     ({**TINY, "ffn": {**MOE_FFN, "n_shared_experts": 1}}, ["model.ffn.n_shared_experts", "Mixtral"]),
     ({**TINY, "mixer": {"name": "gated_deltanet", "n_heads": 2, "head_dim": 8}, "ffn": MOE_FFN},
      ["model.ffn.shared_expert_gate", "Qwen3-Next"]),
+    ({**TINY, "position": {"name": "none"}, "mixer": {"name": "mamba2"}}, ["model.ffn.name", "Mamba2ForCausalLM"]),
+    ({**TINY, "ffn": {"name": "none"}, "mixer": {"name": "mamba2"}}, ["model.position.name", "Mamba2ForCausalLM"]),
+    ({**TINY, "ffn": {"name": "none"}, "position": {"name": "none"}, "mixer": {"name": "mamba2", "norm_eps": 1e-3}},
+     ["model.mixer.norm_eps", "layer_norm_epsilon"]),
+    ({**TINY, "ffn": {"name": "none"}, "position": {"name": "none"}, "pattern": ["mamba2", "gqa"]},
+     ["mamba2", "Mamba2ForCausalLM"]),
 ])
 def test_export_refusals(section, needles, tmp_path):
     with pytest.raises(ConfigError) as err:
@@ -288,6 +307,9 @@ def _config_json(tmp_path, config) -> str:
     (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
     (lambda: transformers.GPT2Config(), ["model_type", "gpt2"]),
     (lambda: {"model_type": "mamba"}, ["model_type", "mamba", "allowed: llama"]),
+    (lambda: transformers.Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, use_bias=True), ["use_bias"]),
+    (lambda: transformers.Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, time_step_limit=(0.0, 1.0)),
+     ["time_step_limit"]),
 ])
 def test_import_refusals(make, needles):
     with pytest.raises(ConfigError) as err:

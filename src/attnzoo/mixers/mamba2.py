@@ -57,8 +57,10 @@ class GroupGatedRMSNorm(nn.Module):
 
 @register_mixer("mamba2", Mamba2Config)
 class Mamba2(GatedLinearMixer):
-    hf_missing = ("Mamba-2 has no transformers counterpart among the decoder layers the export maps (transformers' "
-                  "Mamba2Mixer is checked against it in tests/test_hgrn2_mamba2.py)")
+    # exported as a whole model only: Mamba2ForCausalLM (interop/hf/archs.py _check_mamba2: every layer mamba2, no
+    # FFN); transformers' decoders that mix it with other layers are not among those the export maps
+    hf_missing = ("exported only as Mamba2ForCausalLM, every layer mamba2 with model/ffn=none (no transformers "
+                  "decoder the export maps mixes it with other layers)")
     # q / k are B / C shared over groups of heads and v is dt x: no attention layer's q/k/v to seed them
     linearize_target = False
     scale = 1.0  # SSD reads the state unscaled: y_t = h_t^T C_t

@@ -20,6 +20,7 @@ Architectures (docs/hf.md has the table, the measured parity and the departures)
     DeepseekV3ForCausalLM     mla + swiglu / moe (sigmoid, groups, shared experts, first_k_dense, bias)
     Qwen3NextForCausalLM      gated_deltanet in every layer, or GDN + attention (qk_norm, output_gate) hybrids
                               + swiglu / moe (gated shared expert)
+    Mamba2ForCausalLM         mamba2 in every layer, no FFN, no positions
 
 Only local directories are read (config.json + model.safetensors or a sharded index; never the hub, never
 pickles). One set of rules per architecture maps tensor names both ways (`weights._rules`): attnzoo fuses

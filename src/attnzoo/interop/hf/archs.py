@@ -40,7 +40,8 @@ DEEPSEEK_V3 = Arch("deepseek_v3", "DeepseekV3ForCausalLM", shared_prefix="shared
 QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
 QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
 QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
-ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE)}
+MAMBA2 = Arch("mamba2", "Mamba2ForCausalLM")  # blocks of RMSNorm + Mamba2Mixer, no FFN, no positions
+ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE, MAMBA2)}
 
 # model types people will try that attnzoo cannot represent exactly, and the missing feature
 MISSING = {
@@ -155,6 +156,28 @@ def _check_qwen3_next_attention(cfg, mc) -> None:
                   f"{cfg.head_dim} channels (transformers' partial_rotary_factor needs an even count)")
 
 
+def _check_mamba2(model) -> Arch:
+    """Mamba2ForCausalLM (transformers' Mamba2Model: embeddings, blocks of x + Mamba2Mixer(RMSNorm(x)), norm_f, lm_head):
+    every layer mamba2 with one config, no FFN, no positions, one RMSNorm eps for the blocks and the gated norm
+    (transformers' layer_norm_epsilon is both), a conv (conv_kernel >= 1)."""
+    cfg, mc = model.cfg, model.layer_mixers[0]
+    if len({repr(m) for m in model.layer_mixers}) > 1:
+        raise _no("model.pattern", "mamba2 layers configured differently (Mamba2ForCausalLM: one config)")
+    if cfg.ffn.name != "none":
+        raise _no("model.ffn.name", f"{cfg.ffn.name} (Mamba2ForCausalLM's blocks have no FFN; allowed: none)")
+    if cfg.position.name != "none":
+        raise _no("model.position.name", f"{cfg.position.name} (Mamba2ForCausalLM has no positions; allowed: none)")
+    field = _mixer_field(cfg, mc)
+    if mc.conv_size < 1:
+        raise _no(f"{field}.conv_size", "0 (transformers' Mamba2Mixer always has its causal conv)")
+    if mc.norm_eps != cfg.norm.eps:
+        raise _no(f"{field}.norm_eps", f"{mc.norm_eps} with model.norm.eps={cfg.norm.eps} (transformers' "
+                  f"layer_norm_epsilon is both; allowed: the same value)")
+    if any(getattr(model.mixers[0], p).bias is not None for p in ("qkv", "g_proj", "dt_proj", "o_proj")):
+        raise _no(field, "projection biases (exported with use_bias=false)")
+    return MAMBA2
+
+
 def arch_for(model) -> Arch:
     """The transformers architecture exactly equivalent to `model` (a DecoderLM); one-line ConfigError
     naming the field that has no equivalent otherwise. Import uses the same rules, so both directions agree."""
@@ -168,12 +191,14 @@ def arch_for(model) -> Arch:
     if cfg.parametrization != "standard":  # models/mup.py: a logit multiplier, q.k / d
         raise _no("model.parametrization", f"{cfg.parametrization} (µP's readout multiplier and attention scale)")
     kinds = [m.name for m in model.layer_mixers]
+    if set(kinds) == {"mamba2"}:
+        return _check_mamba2(model)
     layers = {_hf_layer(m) for m in model.layer_mixers}
     # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
     hybrid = len(set(kinds)) == 2 and layers == {HF_LINEAR_ATTENTION, HF_FULL_ATTENTION}
     if len(set(kinds)) > 1 and not hybrid:
-        raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer, or gated_deltanet "
-                  f"with mha / gqa / mqa layers as Qwen3-Next)")
+        raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer - mamba2 as "
+                  f"Mamba2ForCausalLM - or gated_deltanet with mha / gqa / mqa layers as Qwen3-Next)")
     for k in set(kinds):
         if len({repr(m) for m in model.layer_mixers if m.name == k}) > 1:
             raise _no("model.pattern", f"{k} layers configured differently (exported: one config per mixer kind)")

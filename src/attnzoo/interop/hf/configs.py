@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import (DEEPSEEK_V3, LLAMA, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, _dense_of, _moe_of,
-                    arch_for, mixer_class)
+from attnzoo.interop.hf.archs import (DEEPSEEK_V3, LLAMA, MAMBA2, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE,
+                                      QWEN3_NEXT, _dense_of, _moe_of, arch_for, mixer_class)
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
                                  HF_WINDOW_FIELD)
 
@@ -194,9 +194,39 @@ def _qwen3_next(c: dict) -> dict:
     return m
 
 
+def _mamba2(c: dict) -> dict:
+    """Mamba2ForCausalLM: every layer mamba2 (in_proj / out_proj without biases; dt unclamped), no FFN, no positions;
+    transformers' layer_norm_epsilon is the blocks' RMSNorm eps and the gated norm's. Its residual_in_fp32 keeps the
+    residual stream in fp32 between blocks, as an fp32 model does; in a 16-bit model attnzoo's stream is 16-bit."""
+    if c.get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", f"{c['hidden_act']!r} (Mamba-2's conv and gate are SiLU)")
+    if c.get("use_bias", False):
+        raise _refuse("use_bias", "true (in_proj / out_proj biases, which attnzoo's mamba2 has no option for)")
+    # transformers writes a non-finite float as {"__float__": "Infinity"} in config.json
+    num = lambda v: float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v  # noqa: E731
+    lo, hi = (list(map(num, c.get("time_step_limit") or (0.0, float("inf")))) + [None, None])[:2]
+    if lo not in (0, 0.0, None) or hi not in (float("inf"), None):
+        raise _refuse("time_step_limit", f"{c.get('time_step_limit')} (a clamp of dt, which attnzoo's mamba2 has no "
+                      f"option for; allowed: [0, inf])")
+    H, P, d = c["num_heads"], c["head_dim"], c["hidden_size"]
+    if H * P % d:
+        raise _refuse("num_heads", f"{H} heads x head_dim {P} is not an integer multiple (expand) of hidden_size {d}")
+    eps = c.get("layer_norm_epsilon", 1e-5)
+    mixer = {"name": "mamba2", "expand": H * P // d, "head_dim": P, "d_state": c["state_size"],
+             "n_groups": c.get("n_groups", 1), "chunk_size": c.get("chunk_size", 256),
+             "conv_size": c.get("conv_kernel", 4), "conv_bias": bool(c.get("use_conv_bias", True)), "norm_eps": eps,
+             "dt_init_range": [c.get("time_step_min", 0.001), c.get("time_step_max", 0.1)],
+             "dt_init_floor": c.get("time_step_floor", 1e-4)}
+    return {"name": "decoder", "d_model": d, "n_layers": c["num_hidden_layers"], "n_heads": H, "n_kv_heads": H,
+            "head_dim": P, "vocab_size": c["vocab_size"], "max_seq_len": c.get("max_position_embeddings", 2048),
+            "norm_position": "pre", "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+            "norm": {"name": "rmsnorm", "eps": eps}, "position": {"name": "none"}, "pattern": None, "mixers": {},
+            "mixer": mixer, "ffn": {"name": "none"}}
+
+
 IMPORTERS: dict[str, Callable[[dict], dict]] = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
+    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3, "mamba2": _mamba2,
 }
 
 
@@ -232,6 +262,8 @@ def hf_config(model) -> dict:
     """config.json for `model` under `arch_for(model)` (every field that matters written out, so no
     transformers default decides anything)."""
     arch = arch_for(model)
+    if arch is MAMBA2:
+        return _mamba2_config(model)
     cfg = model.cfg
     m, mc = model.mixers[0], model.layer_mixers[0]
     dense, moe = _dense_of(model), _moe_of(model)
@@ -296,3 +328,19 @@ def hf_config(model) -> dict:
                      shared_expert_intermediate_size=moe.shared.hidden, norm_topk_prob=f.norm_topk_prob,
                      mlp_only_layers=list(range(f.first_k_dense)), output_router_logits=False)
     return c
+
+
+def _mamba2_config(model) -> dict:
+    """config.json of Mamba2ForCausalLM for an all-mamba2 model (archs._check_mamba2); dt unclamped (time_step_limit
+    [0, inf], written out: JSON's Infinity, which Python's json and transformers read)."""
+    cfg, m, mc = model.cfg, model.mixers[0], model.layer_mixers[0]
+    return {
+        "architectures": [MAMBA2.cls], "model_type": MAMBA2.model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_heads": m.n_v_heads, "head_dim": m.v_dim,
+        "expand": m.n_v_heads * m.v_dim // cfg.d_model, "state_size": m.qk_dim, "n_groups": m.n_qk_heads,
+        "conv_kernel": mc.conv_size, "use_conv_bias": mc.conv_bias, "use_bias": False, "chunk_size": mc.chunk_size,
+        "layer_norm_epsilon": cfg.norm.eps, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
+        "residual_in_fp32": True, "time_step_limit": [0.0, float("inf")], "time_step_min": mc.dt_init_range[0],
+        "time_step_max": mc.dt_init_range[1], "time_step_floor": mc.dt_init_floor, "rescale_prenorm_residual": False,
+        "initializer_range": cfg.init_std, "use_cache": True, "dtype": "float32",
+    }

@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import DEEPSEEK_V3, FIELD, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, Arch, arch_for
+from attnzoo.interop.hf.archs import (DEEPSEEK_V3, FIELD, LLAMA, MAMBA2, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE,
+                                      QWEN3_NEXT, Arch, arch_for)
 from attnzoo.mixers.base import HF_LINEAR_ATTENTION
 
 
@@ -209,9 +210,54 @@ def _moe_rules(f, o: str, h: str, arch: Arch) -> list:
     return rules
 
 
+def _mamba2_rules(m, o: str, h: str) -> list:
+    """transformers' Mamba2Mixer: in_proj = [z | x | B | C | dt] rows, the conv over [x | B | C] channels (its weight
+    (channels, 1, K)); attnzoo keeps z in g_proj, [C | B | x] in qkv (and its conv), dt in dt_proj."""
+    h += "mixer."
+    nc, nb, nx = m.qkv_dims  # C, B, x
+    inner, H = m.n_v_heads * m.v_dim, m.n_v_heads
+
+    def proj_to_ours(t):
+        z, x, b, c, dt = t[0].split([inner, nx, nb, nc, H], 0)
+        return [z, torch.cat([c, b, x]), dt]
+
+    def proj_to_hf(t):
+        c, b, x = t[1].split(m.qkv_dims, 0)
+        return [torch.cat([t[0], x, b, c, t[2]])]
+
+    def conv_to_ours(t):
+        x, b, c = t[0].split([nx, nb, nc], 0)
+        return [torch.cat([c, b, x])[:, 0] if t[0].dim() == 3 else torch.cat([c, b, x])]
+
+    def conv_to_hf(t):
+        c, b, x = t[0].split(m.qkv_dims, 0)
+        return [torch.cat([x, b, c])[:, None] if t[0].dim() == 2 else torch.cat([x, b, c])]
+
+    rules = [Rule((o + "g_proj.weight", o + "qkv.weight", o + "dt_proj.weight"), (h + "in_proj.weight",),
+                  proj_to_ours, proj_to_hf),
+             Rule((o + "conv.weight",), (h + "conv1d.weight",), conv_to_ours, conv_to_hf)]
+    if m.conv.bias is not None:
+        rules.append(Rule((o + "conv.bias",), (h + "conv1d.bias",), conv_to_ours, conv_to_hf))
+    return rules + [_same(o + "A_log", h + "A_log"), _same(o + "dt_bias", h + "dt_bias"), _same(o + "D", h + "D"),
+                    _same(o + "norm.weight", h + "norm.weight"), _same(o + "o_proj.weight", h + "out_proj.weight")]
+
+
+def _mamba2_model_rules(model) -> list:
+    """Mamba2ForCausalLM: backbone.embeddings, backbone.layers.i.{norm, mixer}, backbone.norm_f, lm_head."""
+    rules = [_same("embed.weight", "backbone.embeddings.weight"), _same("norm.weight", "backbone.norm_f.weight")]
+    if not model.cfg.tie_embeddings:
+        rules.append(_same("lm_head.weight", "lm_head.weight"))
+    for i, block in enumerate(model.blocks):
+        o, h = f"blocks.{i}.", f"backbone.layers.{i}."
+        rules += [_same(o + "norm1.weight", h + "norm.weight"), *_mamba2_rules(block.mixer, o + "mixer.", h)]
+    return rules
+
+
 def _rules(model, arch: Arch) -> list:
     from attnzoo.layers.moe import MoE
 
+    if arch is MAMBA2:
+        return _mamba2_model_rules(model)
     off = arch.norm_offset
     rules = [_same("embed.weight", "model.embed_tokens.weight"), _same("norm.weight", "model.norm.weight", off)]
     if not model.cfg.tie_embeddings:
