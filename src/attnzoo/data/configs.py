@@ -486,5 +486,5 @@ for _name, _config, _module in (
         ("addition", AdditionConfig, "seq2seq"), ("shapes", ShapesConfig, "shapes"), ("digits", DigitsConfig, "digits")):
     DATAMODULES.declare(_name, _config, f"attnzoo.data.{_module}")
 # modules of the package that register no data module
-DATAMODULES.helpers(*(f"attnzoo.data.{m}" for m in ("corpus", "prepare", "prepare_tokens", "sampling", "sources",
-                                                     "synthetic", "tokenizer")))
+DATAMODULES.helpers(*(f"attnzoo.data.{m}" for m in ("corpus", "needles", "prepare", "prepare_tokens", "sampling",
+                                                     "sources", "synthetic", "tokenizer")))
