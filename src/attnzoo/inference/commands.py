@@ -279,14 +279,61 @@ def eval_parser() -> argparse.ArgumentParser:
                          "run's own validation scored: trainer.limit_val_batches, e.g. 2 with debug=smoke; the output "
                          "says how many batches and tokens it scored and what the run's limit was)")
     ap.add_argument("--best", action="store_true", help="use checkpoints/best.ckpt")
-    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, or next to the .ckpt)")
+    ap.add_argument("--out", type=Path, help="JSON path (default: <run dir>/eval.json, with --task niah niah.json and "
+                    "its heatmap niah.png; or next to the .ckpt)")
     device_arg(ap)
     kv_format_args(ap)
+    niah = ap.add_argument_group("needle in a haystack (--task niah: RULER's NIAH tasks and passkey, offline; "
+                                 "docs/long_context.md)")
+    niah.add_argument("--task", choices=("lm", "niah"), default="lm", help="lm: loss / perplexity (default); niah: "
+                      "retrieval accuracy per task, context length and needle depth, with a heatmap")
+    niah.add_argument("--niah-tasks", default=",".join(DEFAULT_NIAH_TASKS),
+                      help="comma-separated, of: niah_single_1..3, niah_multikey_1..3, niah_multivalue, "
+                           "niah_multiquery, passkey (default: %(default)s)")
+    niah.add_argument("--lengths", type=int, nargs="+", help="context lengths in the run's tokens (default: the "
+                      "run's data.seq_len x 1, 2, 4)")
+    niah.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                      help="needle depths, fractions of the haystack in [0, 1] (default: 0 0.25 0.5 0.75 1)")
+    niah.add_argument("--samples", type=int, default=4, help="prompts per (task, length, depth) (default 4)")
+    niah.add_argument("--haystack", type=Path, help="a text file or folder for the text haystacks (default: the "
+                      "run's own corpus)")
+    niah.add_argument("--seed", type=int, default=0)
+    niah.add_argument("--max-new-tokens", type=int, help="completion length (default: the answers' tokens + 4)")
+    niah.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (default 4)")
+    niah.add_argument("--extrapolate", action="store_true", help="lengths past model.max_seq_len (computed "
+                      "positions only)")
     return ap
+
+
+DEFAULT_NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "passkey")
+
+
+def precheck_niah(args: argparse.Namespace) -> None:
+    """--task niah's settings, before torch: the tasks, lengths and depths (data/needles.check_request), the counts,
+    a --haystack that exists, and no option of the lm evaluation beside it."""
+    from attnzoo.data.needles import check_request
+
+    if args.task != "niah":
+        return
+    for flag, given in (("--text", args.text is not None), ("--context-lengths", bool(args.context_lengths)),
+                        ("--max-batches", args.max_batches is not None)):
+        if given:
+            raise ConfigError("is an option of --task lm; allowed with --task niah: --niah-tasks, --lengths, "
+                              "--depths, --samples, --haystack", field=flag)
+    args.niah_tasks = [t.strip() for t in str(args.niah_tasks).split(",") if t.strip()]
+    check_request(args.niah_tasks, args.lengths or [1], args.depths)
+    for flag, value in (("--samples", args.samples), ("--batch-size", args.batch_size),
+                        ("--max-new-tokens", 1 if args.max_new_tokens is None else args.max_new_tokens)):
+        if value < 1:
+            raise ConfigError(f"must be >= 1, got {value}", field=flag)
+    if args.haystack is not None and not args.haystack.exists():
+        raise ConfigError(f"{args.haystack} does not exist; allowed: a text file or a folder of text files",
+                          field="--haystack")
 
 
 def precheck_eval(args: argparse.Namespace) -> None:
     """attnzoo-eval's refusals that need neither torch nor the run."""
+    precheck_niah(args)
     short = [L for L in args.context_lengths if L < 2]
     if short:
         raise ConfigError(f"got {' '.join(map(str, short))}; allowed: lengths >= 2 (a prediction needs a "

@@ -262,6 +262,8 @@ def run_eval(args: argparse.Namespace) -> None:
     check_device(args.device)
     run = load(args.run, best=args.best, device=args.device)
 
+    if getattr(args, "task", "lm") == "niah":
+        return _run_niah(args, run)
     family = family_of(run.config["model"])
     fmt = kv_format_of(run, args)
     kv_quant = ""
@@ -320,6 +322,23 @@ def run_eval(args: argparse.Namespace) -> None:
     for k, v in metrics.items():
         print(f"{k:28s} {v:.6g}")
     print(f"wrote {out}")
+
+
+def _run_niah(args: argparse.Namespace, run: LoadedRun) -> None:
+    """attnzoo-eval --task niah (inference/niah.py): accuracy per task, length and depth; JSON and heatmap."""
+    from attnzoo.inference.niah import run_niah, write
+
+    if not args.lengths:  # the run's training length and beyond it
+        seq = int(run.config["data"]["seq_len"])
+        args.lengths = [seq, 2 * seq, 4 * seq]
+    result = run_niah(args, run)
+    out = args.out or (run.checkpoint.parent.parent / "niah.json" if run.checkpoint.parent.name == "checkpoints"
+                       else run.checkpoint.with_suffix(".niah.json"))
+    png = write(result, out)
+    for task, acc in result["by_task"].items():
+        per_length = "  ".join(f"{L}: {v:.2f}" for L, v in result["by_length"][task].items())
+        print(f"{task:18s} {acc:.3f}   by length  {per_length}")
+    print(f"wrote {out} and {png}")
 
 
 from attnzoo.inference.commands import (KV_FLAGS, check_out_file, check_prompt_fit, check_sampling,  # noqa: E402,F401

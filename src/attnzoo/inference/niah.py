@@ -1,0 +1,141 @@
+"""`attnzoo-eval RUN --task niah`: needle-in-a-haystack retrieval of a trained text run, offline (issue 48).
+
+The prompts are RULER's NIAH tasks and passkey (attnzoo/data/needles.py) at each (task, context length, needle
+depth), in the run's own tokens; each is completed greedily through the run's static-cache decode path
+(models/decoding.Decoder, the path attnzoo-generate takes), and scored by RULER's string_match_all (the fraction of
+the answers in the completion). Writes a JSON (accuracy per task, length and depth; per task and length; per
+task) and a heatmap PNG beside it: depth (rows) x length (columns) per task, the figure long-context papers show.
+
+The haystack of the text tasks is the run's own corpus (data.path of a data=text run; the embedded corpus for
+data.path null) unless `--haystack PATH` names another. A length past the model's positions (model.max_seq_len
+with its completion) is refused unless --extrapolate (computed positions only: a learned table cannot grow).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from attnzoo.config.errors import ConfigError
+from attnzoo.data.corpus import load_corpus
+from attnzoo.data.needles import make_samples, score
+from attnzoo.models.decoding import Decoder, position_table
+
+
+def completion_tokens(run, samples, given) -> int:
+    """New tokens per prompt: `given`, or enough for every sample's answers written out (RULER generates 128
+    for NIAH; these answers are a few dozen characters)."""
+    if given is not None:
+        return given
+    return max(len(run.encode(" " + ", ".join(s.answers) + ".")) for s in samples) + 4
+
+
+def check_lengths(run, lengths, new_tokens: int, extrapolate: bool) -> None:
+    """Each length with its completion within the model's positions (a learned table: always; computed positions:
+    unless --extrapolate)."""
+    cfg = run.model.cfg
+    table = position_table(run.model)
+    longest = max(lengths) + new_tokens
+    if table is not None and longest > table:
+        raise ConfigError(f"{max(lengths)} tokens + {new_tokens} new ones exceed the learned position table "
+                          f"(model.max_seq_len={table}); allowed: lengths <= {table - new_tokens}", field="--lengths")
+    if table is None and not extrapolate and longest > cfg.max_seq_len:
+        raise ConfigError(f"{max(lengths)} tokens + {new_tokens} new ones exceed model.max_seq_len={cfg.max_seq_len} "
+                          f"({cfg.position.name} positions: lengths the model is not sized for); allowed: lengths "
+                          f"<= {cfg.max_seq_len - new_tokens}, or --extrapolate to go past it", field="--lengths")
+
+
+def haystack_text(run, path) -> tuple[str, str]:
+    """(the text haystack's corpus, where it came from): --haystack, else the run's own text corpus."""
+    if path is not None:
+        return load_corpus(str(path), 1 << 22)
+    data = run.config.get("data") or {}
+    return load_corpus(data.get("path") if data.get("name", "text") == "text" else None, 1 << 22)
+
+
+@torch.no_grad()
+def evaluate_needles(run, samples, new_tokens: int, batch: int = 4) -> list[float]:
+    """The score of each sample's greedy completion (static-cache decode, `batch` prompts at a time)."""
+    out: list[float] = []
+    ids = [run.encode(s.prompt) for s in samples]
+    dec = Decoder(run.model, min(batch, len(samples)), max(map(len, ids)) + new_tokens, compile=False)
+    for start in range(0, len(samples), dec.batch):
+        gen = dec.generate(ids[start:start + dec.batch], new_tokens, temperature=0.0, decode=run.decode)
+        out += [score(text, s.answers) for text, s in zip(gen.text, samples[start:start + dec.batch])]
+    return out
+
+
+def summarise(samples, scores) -> dict:
+    """accuracy[task][length][depth], by_length[task][length], by_task[task]: means of the samples' scores."""
+    cells: dict = {}
+    for s, v in zip(samples, scores):
+        cells.setdefault(s.task, {}).setdefault(s.length, {}).setdefault(s.depth, []).append(v)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "accuracy": {t: {str(L): {str(d): mean(v) for d, v in ds.items()} for L, ds in ls.items()} for t, ls in cells.items()},
+        "by_length": {t: {str(L): mean([x for v in ds.values() for x in v]) for L, ds in ls.items()}
+                      for t, ls in cells.items()},
+        "by_task": {t: mean([x for ds in ls.values() for v in ds.values() for x in v]) for t, ls in cells.items()},
+    }
+
+
+def heatmap(result: dict, path: Path, title: str) -> None:
+    """One panel per task: needle depth (rows, 0 = first) x context length (columns), accuracy 0-1 annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["accuracy"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks) + 1.2, 3.4), squeeze=False, sharey=True)
+    for ax, task in zip(axes[0], tasks):
+        cells = result["accuracy"][task]
+        lengths = sorted(cells, key=int)
+        depths = sorted({d for ds in cells.values() for d in ds}, key=float)
+        grid = [[cells[L].get(d, float("nan")) for L in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [f"{int(L):,}" for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(task, fontsize=10)
+    axes[0][0].set_ylabel("needle depth")
+    for ax in axes[0][1:]:  # one depth axis, labelled once (the panels share it)
+        ax.tick_params(labelleft=False)
+    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy (string_match_all)")
+    fig.suptitle(title, fontsize=10, y=1.03)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run_niah(args: argparse.Namespace, run) -> dict:
+    """attnzoo-eval --task niah on a loaded run (inference/generate.run_eval dispatches here)."""
+    from attnzoo.training.families import family_of
+
+    if not family_of(run.config["model"]).decoder_only or not hasattr(run.datamodule, "encode"):
+        raise ConfigError(f"the run is a {family_of(run.config['model']).name} model on data="
+                          f"{run.config['data'].get('name', 'text')}; allowed with --task niah: a decoder LM trained on "
+                          f"text (its prompts are English)", field="--task")
+    text, source = haystack_text(run, args.haystack)
+    samples = make_samples(args.niah_tasks, args.lengths, args.depths, args.samples, run.encode, text, args.seed)
+    new_tokens = completion_tokens(run, samples, args.max_new_tokens)
+    check_lengths(run, args.lengths, new_tokens, args.extrapolate)
+    scores = evaluate_needles(run, samples, new_tokens, args.batch_size)
+    result = {"task": "niah", "checkpoint": str(run.checkpoint), "global_step": run.global_step,
+              "haystack": source, "samples_per_cell": args.samples, "seed": args.seed, "new_tokens": new_tokens,
+              "metric": "string_match_all (RULER): the fraction of a sample's answers in its greedy completion",
+              **summarise(samples, scores)}
+    return result
+
+
+def write(result: dict, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    png = out.with_suffix(".png")
+    heatmap(result, png, f"needle in a haystack: {Path(result['checkpoint']).parent.parent.name} "
+                         f"(step {result['global_step']})")
+    return png

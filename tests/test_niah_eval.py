@@ -1,0 +1,79 @@
+"""`attnzoo-eval RUN --task niah` (inference/niah.py): the accuracies it writes per (task, length, depth) are the
+scores of greedy completions that the model's own full-forward generation reproduces; the JSON's cells, means and
+heatmap; refusals in one line (before the run is loaded where they need no run)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnzoo.data.needles import make_samples, score
+from attnzoo.inference import generate as inference
+from attnzoo.inference.generate import eval_main, load
+from attnzoo.training.run import train
+from tests.conftest import SMALL_TEXT, compose_cfg
+
+# a char-level text run with RoPE sized for 1,024 positions, trained a few steps: prompts of a few hundred tokens
+RUN = ["debug=smoke", *SMALL_TEXT, "data.tokenizer=char", "data.seq_len=64", "model.max_seq_len=1024",
+       "trainer.max_steps=2", "trainer.val_check_interval=2", "perf.measure_decode=false", "sample.max_new_tokens=0"]
+ARGS = ["--task", "niah", "--niah-tasks", "passkey,niah_single_2", "--lengths", "400", "560", "--depths", "0", "1",
+        "--samples", "2", "--batch-size", "3"]
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("niah") / "run"
+    train(compose_cfg(RUN, out))
+    return out
+
+
+def test_accuracies_are_the_greedy_completions_scores(text_run, tmp_path, capsys):
+    out = tmp_path / "niah.json"
+    eval_main([str(text_run), *ARGS, "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000 and "wrote" in capsys.readouterr().out
+    assert set(res["accuracy"]) == {"passkey", "niah_single_2"}
+    assert all(set(res["accuracy"][t]) == {"400", "560"} and set(res["accuracy"][t]["400"]) == {"0.0", "1.0"}
+               for t in res["accuracy"])
+    # the same prompts completed by the model's own generate (full forward each step, no static cache)
+    from attnzoo.inference.niah import haystack_text
+
+    run = load(text_run)
+    hay, _ = haystack_text(run, None)
+    samples = make_samples(["passkey", "niah_single_2"], [400, 560], [0.0, 1.0], 2, run.encode, hay, 0)
+    n = res["new_tokens"]
+    want: dict = {}
+    for s in samples:
+        idx = torch.tensor([run.encode(s.prompt)])
+        with torch.no_grad():
+            new = run.model.generate(idx, n, temperature=0.0)[0, idx.shape[1]:].tolist()
+        want.setdefault((s.task, str(s.length), str(s.depth)), []).append(score(run.decode(new), s.answers))
+    for (task, length, depth), scores in want.items():
+        assert res["accuracy"][task][length][depth] == pytest.approx(sum(scores) / len(scores)), (task, length, depth)
+    for task in res["accuracy"]:
+        cells = [v for ds in res["accuracy"][task].values() for v in ds.values()]
+        assert res["by_task"][task] == pytest.approx(sum(cells) / len(cells))
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--depths", "1.5"], "--depths: got 1.5; allowed: fractions of the haystack in [0, 1]"),
+    (["--niah-tasks", "needle"], "--niah-tasks: unknown task 'needle'; allowed: niah_single_1"),
+    (["--samples", "0"], "--samples: must be >= 1, got 0"),
+    (["--text", "x.txt"], "--text: is an option of --task lm"),
+    (["--haystack", "/nonexistent"], "--haystack: /nonexistent does not exist"),
+])
+def test_bad_settings_are_refused_before_the_run_is_loaded(extra, line, text_run, capsys, monkeypatch):
+    monkeypatch.setattr(inference, "load", lambda *a, **k: pytest.fail("loaded the run before checking"))
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(text_run), *ARGS, *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and err.startswith(f"attnzoo-eval: error: {line}"), err
+
+
+def test_lengths_past_the_models_positions_are_refused(text_run, capsys):
+    with pytest.raises(SystemExit):
+        eval_main([str(text_run), "--task", "niah", "--niah-tasks", "passkey", "--lengths", "1020", "--samples", "1"])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnzoo-eval: error: --lengths: 1020 tokens + ") and "model.max_seq_len=1024" in err, err
+    assert "--extrapolate" in err
