@@ -329,6 +329,9 @@ def _cases(tmp):
          "must be >= 0 (0: no sample)"),
         ("negative decode tokens measured", ["perf.decode_tokens=-5"], "perf.decode_tokens", "must be >= 0"),
         ("negative peak FLOP/s", ["perf.peak_flops=-1"], "perf.peak_flops", "must be a finite positive FLOP/s or null"),
+        ("needle depth above 1", ["data=needle", "data.depth=1.5"], "data.depth", "allowed: a fraction of the haystack"),
+        ("needles longer than the sequence", ["data=needle", "data.seq_len=12", "data.num_needles=2"], "data.seq_len",
+         "cannot hold 2 needle(s)"),
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))

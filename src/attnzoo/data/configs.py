@@ -11,34 +11,11 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.data import DATAMODULES
+from attnzoo.data.synthetic_spec import (NEEDLE_SPECIALS, NeedleConfig, SyntheticConfig,  # noqa: F401 (re-exported)
+                                         needle_tokens)
 
 if TYPE_CHECKING:
     from attnzoo.data.prepare import PrepareOptions
-
-
-# ----------------------------------------------------------------------------- synthetic
-
-@dataclass
-class SyntheticConfig:
-    """Fields every synthetic task has; a task's config subclasses it (its `name` first)."""
-
-    name: str = "synthetic"
-    vocab_size: int = 8192
-    seq_len: int = 256
-    batch_size: int = 64
-    train_size: int = 20_000  # training examples (drawn once, reshuffled every epoch)
-    val_size: int = 1_000  # held-out examples, disjoint from the training ones
-    seed: Optional[int] = None  # data seed; null: the run's seed
-    num_workers: int = 0
-
-    def validate(self, model, field: str) -> None:
-        check(self.seq_len > 1, f"{field}.seq_len", f"must be > 1, got {self.seq_len}")
-        check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
-        check(self.train_size >= self.batch_size, f"{field}.train_size",
-              f"{self.train_size} is smaller than batch_size={self.batch_size}; allowed: >= batch_size")
-        check(self.val_size > 0, f"{field}.val_size", "must be positive")
-        check(self.vocab_size >= 4, f"{field}.vocab_size", f"must be >= 4, got {self.vocab_size}")
-
 
 
 # ----------------------------------------------------------------------------- text
@@ -483,8 +460,9 @@ for _name, _config, _module in (
         ("noisy_ar", NoisyARConfig, "mqar"), ("copying", CopyingConfig, "copying"),
         ("selective_copying", SelectiveCopyingConfig, "copying"), ("induction_heads", InductionConfig, "induction"),
         ("reversal", Seq2SeqConfig, "seq2seq"), ("sorting", SortingConfig, "seq2seq"),
-        ("addition", AdditionConfig, "seq2seq"), ("shapes", ShapesConfig, "shapes"), ("digits", DigitsConfig, "digits")):
+        ("addition", AdditionConfig, "seq2seq"), ("shapes", ShapesConfig, "shapes"), ("digits", DigitsConfig, "digits"),
+        ("needle", NeedleConfig, "needle")):
     DATAMODULES.declare(_name, _config, f"attnzoo.data.{_module}")
 # modules of the package that register no data module
 DATAMODULES.helpers(*(f"attnzoo.data.{m}" for m in ("corpus", "needles", "prepare", "prepare_tokens", "sampling",
-                                                     "sources", "synthetic", "tokenizer")))
+                                                     "sources", "synthetic", "synthetic_spec", "tokenizer")))

@@ -294,7 +294,8 @@ def eval_parser() -> argparse.ArgumentParser:
                       "run's data.seq_len x 1, 2, 4)")
     niah.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                       help="needle depths, fractions of the haystack in [0, 1] (default: 0 0.25 0.5 0.75 1)")
-    niah.add_argument("--samples", type=int, default=4, help="prompts per (task, length, depth) (default 4)")
+    niah.add_argument("--samples", type=int, help="prompts per (task, length, depth) (default 4; a data=needle run: "
+                      "examples per (length, depth), default 256)")
     niah.add_argument("--haystack", type=Path, help="a text file or folder for the text haystacks (default: the "
                       "run's own corpus)")
     niah.add_argument("--seed", type=int, default=0)
@@ -322,7 +323,7 @@ def precheck_niah(args: argparse.Namespace) -> None:
                               "--depths, --samples, --haystack", field=flag)
     args.niah_tasks = [t.strip() for t in str(args.niah_tasks).split(",") if t.strip()]
     check_request(args.niah_tasks, args.lengths or [1], args.depths)
-    for flag, value in (("--samples", args.samples), ("--batch-size", args.batch_size),
+    for flag, value in (("--samples", 1 if args.samples is None else args.samples), ("--batch-size", args.batch_size),
                         ("--max-new-tokens", 1 if args.max_new_tokens is None else args.max_new_tokens)):
         if value < 1:
             raise ConfigError(f"must be >= 1, got {value}", field=flag)

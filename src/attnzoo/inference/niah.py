@@ -112,14 +112,51 @@ def heatmap(result: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@torch.no_grad()
+def needle_grid(args: argparse.Namespace, run) -> dict:
+    """A data=needle run (data/needle.py, the token task it trained on) at each length and depth: `args.samples`
+    fresh validation examples per cell (the task regenerated with seq_len = length and depth = depth, as
+    eval.context_lengths regenerates it), scored by val/acc (the answer tokens right, teacher-forced)."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader
+
+    from attnzoo.analysis.extrapolation import evaluate_loader
+    from attnzoo.config.schema import tagged
+    from attnzoo.data import DATAMODULES
+
+    data_cfg = tagged(DATAMODULES, run.config["data"], "data")
+    check_lengths(run, args.lengths, 0, args.extrapolate)
+    cells: dict = {}
+    for length in args.lengths:
+        for depth in args.depths:
+            cfg = dataclasses.replace(data_cfg, seq_len=length, depth=depth, train_size=data_cfg.batch_size,
+                                      val_size=args.samples)
+            dm = type(run.datamodule)(cfg, seed=run.datamodule.seed)
+            dm.setup("validate")
+            loader = DataLoader(dm.val_set, batch_size=args.batch_size, shuffle=False, collate_fn=dm.collate_fn)
+            acc = evaluate_loader(run.lit, loader)["val/acc"]
+            cells.setdefault(str(length), {})[str(float(depth))] = acc
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"accuracy": {"needle": cells}, "by_length": {"needle": {L: mean(list(d.values())) for L, d in cells.items()}},
+            "by_task": {"needle": mean([v for d in cells.values() for v in d.values()])}}
+
+
 def run_niah(args: argparse.Namespace, run) -> dict:
     """attnzoo-eval --task niah on a loaded run (inference/generate.run_eval dispatches here)."""
     from attnzoo.training.families import family_of
 
+    if run.config["data"].get("name") == "needle" and family_of(run.config["model"]).decoder_only:
+        args.samples = args.samples or 256
+        return {"task": "niah", "checkpoint": str(run.checkpoint), "global_step": run.global_step,
+                "haystack": "data=needle (the token task the run trained on)", "samples_per_cell": args.samples,
+                "metric": "val/acc: the needle's value tokens right after the query (teacher-forced)",
+                **needle_grid(args, run)}
+    args.samples = args.samples or 4
     if not family_of(run.config["model"]).decoder_only or not hasattr(run.datamodule, "encode"):
         raise ConfigError(f"the run is a {family_of(run.config['model']).name} model on data="
                           f"{run.config['data'].get('name', 'text')}; allowed with --task niah: a decoder LM trained on "
-                          f"text (its prompts are English)", field="--task")
+                          f"text (its prompts are English) or on data=needle", field="--task")
     text, source = haystack_text(run, args.haystack)
     samples = make_samples(args.niah_tasks, args.lengths, args.depths, args.samples, run.encode, text, args.seed)
     new_tokens = completion_tokens(run, samples, args.max_new_tokens)
