@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.data import DATAMODULES
-from attnzoo.data.synthetic_spec import (NEEDLE_SPECIALS, NeedleConfig, SyntheticConfig,  # noqa: F401 (re-exported)
+from attnzoo.data.synthetic_configs import (NEEDLE_SPECIALS, NeedleConfig, SyntheticConfig,  # noqa: F401 (re-exported)
                                          needle_tokens)
 
 if TYPE_CHECKING:
@@ -465,4 +465,4 @@ for _name, _config, _module in (
     DATAMODULES.declare(_name, _config, f"attnzoo.data.{_module}")
 # modules of the package that register no data module
 DATAMODULES.helpers(*(f"attnzoo.data.{m}" for m in ("corpus", "needles", "prepare", "prepare_tokens", "sampling",
-                                                     "sources", "synthetic", "synthetic_spec", "tokenizer")))
+                                                     "sources", "synthetic", "synthetic_configs", "tokenizer")))

@@ -57,10 +57,11 @@ class GroupGatedRMSNorm(nn.Module):
 
 @register_mixer("mamba2", Mamba2Config)
 class Mamba2(GatedLinearMixer):
-    # exported as a whole model only: Mamba2ForCausalLM (interop/hf/archs.py _check_mamba2: every layer mamba2, no
-    # FFN); transformers' decoders that mix it with other layers are not among those the export maps
-    hf_missing = ("exported only as Mamba2ForCausalLM, every layer mamba2 with model/ffn=none (no transformers "
-                  "decoder the export maps mixes it with other layers)")
+    # exported as a whole model only: every layer mamba2, no FFN -> transformers' Mamba2ForCausalLM (its model_type;
+    # interop/hf/archs.py _check_mamba2); among other layers it has no counterpart
+    hf_model_type = "mamba2"
+    hf_missing = ("no transformers counterpart among other layers (exported only as Mamba2ForCausalLM: every layer "
+                  "mamba2, model/ffn=none)")
     # q / k are B / C shared over groups of heads and v is dt x: no attention layer's q/k/v to seed them
     linearize_target = False
     scale = 1.0  # SSD reads the state unscaled: y_t = h_t^T C_t

@@ -40,7 +40,16 @@ DEEPSEEK_V3 = Arch("deepseek_v3", "DeepseekV3ForCausalLM", shared_prefix="shared
 QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
 QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
 QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
-MAMBA2 = Arch("mamba2", "Mamba2ForCausalLM")  # blocks of RMSNorm + Mamba2Mixer, no FFN, no positions
+@dataclass(frozen=True)
+class _Mamba2Arch(Arch):
+    """transformers' Mamba2ForCausalLM: blocks of RMSNorm + Mamba2Mixer, no FFN, no positions. Its model_type is
+    what the mixer class that exports as a whole model says (`Mixer.hf_model_type`; arch_for asks the class)."""
+
+    model_type: str = "mamba2"
+    cls: str = "Mamba2ForCausalLM"
+
+
+MAMBA2 = _Mamba2Arch()
 ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE, MAMBA2)}
 
 # model types people will try that attnzoo cannot represent exactly, and the missing feature
@@ -191,7 +200,7 @@ def arch_for(model) -> Arch:
     if cfg.parametrization != "standard":  # models/mup.py: a logit multiplier, q.k / d
         raise _no("model.parametrization", f"{cfg.parametrization} (µP's readout multiplier and attention scale)")
     kinds = [m.name for m in model.layer_mixers]
-    if set(kinds) == {"mamba2"}:
+    if len(set(kinds)) == 1 and getattr(MIXERS.get(kinds[0]).cls, "hf_model_type", None) == MAMBA2.model_type:
         return _check_mamba2(model)
     layers = {_hf_layer(m) for m in model.layer_mixers}
     # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order

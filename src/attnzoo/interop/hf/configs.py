@@ -226,7 +226,8 @@ def _mamba2(c: dict) -> dict:
 
 IMPORTERS: dict[str, Callable[[dict], dict]] = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3, "mamba2": _mamba2,
+    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
+    MAMBA2.model_type: _mamba2,
 }
 
 
