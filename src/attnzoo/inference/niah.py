@@ -81,7 +81,7 @@ def summarise(samples, scores) -> dict:
     }
 
 
-def heatmap(result: dict, path: Path, title: str) -> None:
+def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string_match_all)") -> None:
     """One panel per task: needle depth (rows, 0 = first) x context length (columns), accuracy 0-1 annotated."""
     import matplotlib
 
@@ -106,7 +106,7 @@ def heatmap(result: dict, path: Path, title: str) -> None:
     axes[0][0].set_ylabel("needle depth")
     for ax in axes[0][1:]:  # one depth axis, labelled once (the panels share it)
         ax.tick_params(labelleft=False)
-    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy (string_match_all)")
+    fig.colorbar(im, ax=axes[0].tolist(), label=label)
     fig.suptitle(title, fontsize=10, y=1.03)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -174,5 +174,6 @@ def write(result: dict, out: Path) -> Path:
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
     heatmap(result, png, f"needle in a haystack: {Path(result['checkpoint']).parent.parent.name} "
-                         f"(step {result['global_step']})")
+                         f"(step {result['global_step']})",
+            "accuracy (val/acc)" if result["metric"].startswith("val/acc") else "accuracy (string_match_all)")
     return png
