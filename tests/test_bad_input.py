@@ -332,6 +332,9 @@ def _cases(tmp):
         ("needle depth above 1", ["data=needle", "data.depth=1.5"], "data.depth", "allowed: a fraction of the haystack"),
         ("needles longer than the sequence", ["data=needle", "data.seq_len=12", "data.num_needles=2"], "data.seq_len",
          "cannot hold 2 needle(s)"),
+        ("needle depths on a text run", ["eval.niah_depths=[0,1]"], "eval.niah_depths", "is for data=needle runs"),
+        ("needle depth outside [0, 1]", ["data=needle", "eval.niah_depths=[0,2]"], "eval.niah_depths",
+         "allowed: fractions of the haystack in [0, 1]"),
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))

@@ -85,3 +85,22 @@ def test_niah_grid_of_a_needle_run(tmp_path, make_cfg, capsys):
     dm.setup("validate")
     want = evaluate_loader(run.lit, DataLoader(dm.val_set, batch_size=4, collate_fn=dm.collate_fn))["val/acc"]
     assert res["accuracy"]["needle"]["48"]["1.0"] == pytest.approx(want)
+
+
+def test_a_needle_run_writes_its_grid_at_the_end(tmp_path, make_cfg):
+    """eval.niah_depths: the run evaluates its depth x length grid after training (data.seq_len and each context
+    length), writes niah.json / niah.png beside its summary and logs niah/acc@<length>@<depth>."""
+    from attnzoo.training.run import train
+
+    out = tmp_path / "run"
+    metrics = train(make_cfg("data=needle", "debug=smoke", "data.train_size=64", "data.val_size=16", "trainer.max_steps=2",
+                             "trainer.val_check_interval=2", "perf.measure_decode=false", "sample.max_new_tokens=0",
+                             "eval.context_lengths=[48]", "eval.niah_depths=[0,1]", "eval.niah_samples=8",
+                             output_dir=out))
+    res = json.loads((out / "niah.json").read_text())
+    assert set(res["accuracy"]["needle"]) == {"32", "48"} and (out / "niah.png").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    for L in (32, 48):
+        for d in ("0.0", "1.0"):
+            assert metrics[f"niah/acc@{L}@{d}"] == res["accuracy"]["needle"][str(L)][d]
+            assert summary["metrics"][f"niah/acc@{L}@{d}"] == metrics[f"niah/acc@{L}@{d}"]

@@ -188,6 +188,10 @@ class PerfConfig:
 class EvalConfig:
     context_lengths: List[int] = field(default_factory=list)  # extra evaluation lengths (attnzoo.analysis.extrapolation)
     max_batches: int = 8  # batches per length
+    # data=needle: needle depths evaluated at data.seq_len and each context length at the end of the run (niah.json,
+    # niah.png, niah/acc@<length>@<depth> in the metrics; inference/niah.py); []: none
+    niah_depths: List[float] = field(default_factory=list)
+    niah_samples: int = 256  # examples per (length, depth)
 
 
 @dataclass

@@ -117,26 +117,33 @@ def needle_grid(args: argparse.Namespace, run) -> dict:
     """A data=needle run (data/needle.py, the token task it trained on) at each length and depth: `args.samples`
     fresh validation examples per cell (the task regenerated with seq_len = length and depth = depth, as
     eval.context_lengths regenerates it), scored by val/acc (the answer tokens right, teacher-forced)."""
-    import dataclasses
-
-    from torch.utils.data import DataLoader
-
-    from attnzoo.analysis.extrapolation import evaluate_loader
     from attnzoo.config.schema import tagged
     from attnzoo.data import DATAMODULES
 
     data_cfg = tagged(DATAMODULES, run.config["data"], "data")
     check_lengths(run, args.lengths, 0, args.extrapolate)
+    return needle_cells(run.lit, run.datamodule, data_cfg, args.lengths, args.depths, args.samples, args.batch_size)
+
+
+@torch.no_grad()
+def needle_cells(lit, dm, data_cfg, lengths, depths, samples: int, batch_size: int) -> dict:
+    """needle_grid's work on a LightningModule and its data=needle module (also the end of a run: eval.niah_depths,
+    training/measure.py)."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader
+
+    from attnzoo.analysis.extrapolation import evaluate_loader
+
     cells: dict = {}
-    for length in args.lengths:
-        for depth in args.depths:
-            cfg = dataclasses.replace(data_cfg, seq_len=length, depth=depth, train_size=data_cfg.batch_size,
-                                      val_size=args.samples)
-            dm = type(run.datamodule)(cfg, seed=run.datamodule.seed)
-            dm.setup("validate")
-            loader = DataLoader(dm.val_set, batch_size=args.batch_size, shuffle=False, collate_fn=dm.collate_fn)
-            acc = evaluate_loader(run.lit, loader)["val/acc"]
-            cells.setdefault(str(length), {})[str(float(depth))] = acc
+    for length in lengths:
+        for depth in depths:
+            cfg = dataclasses.replace(data_cfg, seq_len=int(length), depth=float(depth),
+                                      train_size=data_cfg.batch_size, val_size=samples)
+            other = type(dm)(cfg, seed=dm.seed)
+            other.setup("validate")
+            loader = DataLoader(other.val_set, batch_size=batch_size, shuffle=False, collate_fn=other.collate_fn)
+            cells.setdefault(str(length), {})[str(float(depth))] = evaluate_loader(lit, loader)["val/acc"]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"accuracy": {"needle": cells}, "by_length": {"needle": {L: mean(list(d.values())) for L, d in cells.items()}},
             "by_task": {"needle": mean([v for d in cells.values() for v in d.values()])}}

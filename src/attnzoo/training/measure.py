@@ -103,4 +103,23 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
                 at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype,
                                        compile=decode_compile(run, next(model.parameters()).device))
                 metrics.update({f"{k}@{L}": v for k, v in at.items()})
+    if run.eval.niah_depths and trainer.is_global_zero and family.decoder_only:  # data=needle: the depth x length grid
+        metrics.update(niah_at_the_end(lit, dm, data_cfg, run))
     return metrics
+
+
+def niah_at_the_end(lit, dm, data_cfg, run) -> dict:
+    """eval.niah_depths (data=needle): val/acc per (length, depth) at data.seq_len and each eval.context_length,
+    written to <run dir>/niah.json and niah.png (inference/niah.py, the figure attnzoo-eval --task niah makes) and
+    returned as niah/acc@<length>@<depth>."""
+    from pathlib import Path
+
+    from attnzoo.inference.niah import needle_cells, write
+
+    lengths = [data_cfg.seq_len, *[int(L) for L in run.eval.context_lengths if int(L) != data_cfg.seq_len]]
+    grid = needle_cells(lit, dm, data_cfg, lengths, run.eval.niah_depths, run.eval.niah_samples, data_cfg.batch_size)
+    out = Path(run.paths.output_dir) / "niah.json"
+    write({"task": "niah", "checkpoint": str(out.parent / "checkpoints" / "last.ckpt"), "global_step": int(lit.global_step),
+           "haystack": "data=needle (the token task the run trained on)", "samples_per_cell": run.eval.niah_samples,
+           "metric": "val/acc: the needle's value tokens right after the query (teacher-forced)", **grid}, out)
+    return {f"niah/acc@{L}@{d}": v for L, ds in grid["accuracy"]["needle"].items() for d, v in ds.items()}
