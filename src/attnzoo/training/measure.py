@@ -114,7 +114,7 @@ def niah_at_the_end(lit, dm, data_cfg, run) -> dict:
     returned as niah/acc@<length>@<depth>."""
     from pathlib import Path
 
-    from attnzoo.inference.niah import needle_cells, write
+    from attnzoo.analysis.niah import needle_cells, write
 
     lengths = [data_cfg.seq_len, *[int(L) for L in run.eval.context_lengths if int(L) != data_cfg.seq_len]]
     grid = needle_cells(lit, dm, data_cfg, lengths, run.eval.niah_depths, run.eval.niah_samples, data_cfg.batch_size)

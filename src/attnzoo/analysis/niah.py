@@ -1,0 +1,75 @@
+"""The needle-in-a-haystack grid's computation and figure, below the training layer (the end of a data=needle run
+computes it: training/measure.py eval.niah_depths; attnzoo-eval --task niah: inference/niah.py): `needle_cells` (a
+data=needle module's task regenerated per length and depth, scored by val/acc), `heatmap` (depth x length per task)
+and `write` (the JSON and its heatmap beside it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+@torch.no_grad()
+def needle_cells(lit, dm, data_cfg, lengths, depths, samples: int, batch_size: int) -> dict:
+    """needle_grid's work on a LightningModule and its data=needle module (also the end of a run: eval.niah_depths,
+    training/measure.py)."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader
+
+    from attnzoo.analysis.extrapolation import evaluate_loader
+
+    cells: dict = {}
+    for length in lengths:
+        for depth in depths:
+            cfg = dataclasses.replace(data_cfg, seq_len=int(length), depth=float(depth),
+                                      train_size=data_cfg.batch_size, val_size=samples)
+            other = type(dm)(cfg, seed=dm.seed)
+            other.setup("validate")
+            loader = DataLoader(other.val_set, batch_size=batch_size, shuffle=False, collate_fn=other.collate_fn)
+            cells.setdefault(str(length), {})[str(float(depth))] = evaluate_loader(lit, loader)["val/acc"]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"accuracy": {"needle": cells}, "by_length": {"needle": {L: mean(list(d.values())) for L, d in cells.items()}},
+            "by_task": {"needle": mean([v for d in cells.values() for v in d.values()])}}
+
+
+def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string_match_all)") -> None:
+    """One panel per task: needle depth (rows, 0 = first) x context length (columns), accuracy 0-1 annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["accuracy"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks) + 1.2, 3.4), squeeze=False, sharey=True)
+    for ax, task in zip(axes[0], tasks):
+        cells = result["accuracy"][task]
+        lengths = sorted(cells, key=int)
+        depths = sorted({d for ds in cells.values() for d in ds}, key=float)
+        grid = [[cells[L].get(d, float("nan")) for L in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [f"{int(L):,}" for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(task, fontsize=10)
+    axes[0][0].set_ylabel("needle depth")
+    for ax in axes[0][1:]:  # one depth axis, labelled once (the panels share it)
+        ax.tick_params(labelleft=False)
+    fig.colorbar(im, ax=axes[0].tolist(), label=label)
+    fig.suptitle(title, fontsize=10, y=1.03)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write(result: dict, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    png = out.with_suffix(".png")
+    heatmap(result, png, f"needle in a haystack: {Path(result['checkpoint']).parent.parent.name} "
+                         f"(step {result['global_step']})",
+            "accuracy (val/acc)" if result["metric"].startswith("val/acc") else "accuracy (string_match_all)")
+    return png
