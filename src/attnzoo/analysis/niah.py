@@ -28,10 +28,20 @@ def needle_cells(lit, dm, data_cfg, lengths, depths, samples: int, batch_size: i
             other = type(dm)(cfg, seed=dm.seed)
             other.setup("validate")
             loader = DataLoader(other.val_set, batch_size=batch_size, shuffle=False, collate_fn=other.collate_fn)
-            cells.setdefault(str(length), {})[str(float(depth))] = evaluate_loader(lit, loader)["val/acc"]
+            cells.setdefault(int(length), {})[float(depth)] = [evaluate_loader(lit, loader)["val/acc"]]
+    return summarise_cells({"needle": cells})
+
+
+def summarise_cells(cells: dict) -> dict:
+    """{task: {length: {depth: [scores]}}} -> accuracy[task][length][depth], by_length[task][length] and
+    by_task[task], each the mean of the scores under it (keys as strings, as in the JSON)."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"accuracy": {"needle": cells}, "by_length": {"needle": {L: mean(list(d.values())) for L, d in cells.items()}},
-            "by_task": {"needle": mean([v for d in cells.values() for v in d.values()])}}
+    return {
+        "accuracy": {t: {str(L): {str(d): mean(v) for d, v in ds.items()} for L, ds in ls.items()} for t, ls in cells.items()},
+        "by_length": {t: {str(L): mean([x for v in ds.values() for x in v]) for L, ds in ls.items()}
+                      for t, ls in cells.items()},
+        "by_task": {t: mean([x for ds in ls.values() for v in ds.values() for x in v]) for t, ls in cells.items()},
+    }
 
 
 def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string_match_all)") -> None:

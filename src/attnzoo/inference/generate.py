@@ -313,8 +313,7 @@ def run_eval(args: argparse.Namespace) -> None:
     result = {"checkpoint": str(run.checkpoint), "global_step": run.global_step, "source": source,
               "kv_format": dataclasses.asdict(fmt), **({"kv_quant": kv_quant} if kv_quant else {}),
               "scored": scored, "metrics": metrics}
-    out = args.out or (run.checkpoint.parent.parent / "eval.json" if run.checkpoint.parent.name == "checkpoints"
-                       else run.checkpoint.with_suffix(".eval.json"))
+    out = args.out or beside_run(run, "eval")
     out.write_text(json.dumps(result, indent=2))
     print(scored["line"] + (f" (tokens {int(metrics['tokens']):,})" if "tokens" in metrics else ""))
     if kv_quant:
@@ -322,6 +321,12 @@ def run_eval(args: argparse.Namespace) -> None:
     for k, v in metrics.items():
         print(f"{k:28s} {v:.6g}")
     print(f"wrote {out}")
+
+
+def beside_run(run: LoadedRun, name: str) -> Path:
+    """attnzoo-eval's default output: <run dir>/<name>.json, or <ckpt>.<name>.json beside a checkpoint elsewhere."""
+    ckpt = run.checkpoint
+    return ckpt.parent.parent / f"{name}.json" if ckpt.parent.name == "checkpoints" else ckpt.with_suffix(f".{name}.json")
 
 
 def _run_niah(args: argparse.Namespace, run: LoadedRun) -> None:
@@ -332,8 +337,7 @@ def _run_niah(args: argparse.Namespace, run: LoadedRun) -> None:
         seq = int(run.config["data"]["seq_len"])
         args.lengths = [seq, 2 * seq, 4 * seq]
     result = run_niah(args, run)
-    out = args.out or (run.checkpoint.parent.parent / "niah.json" if run.checkpoint.parent.name == "checkpoints"
-                       else run.checkpoint.with_suffix(".niah.json"))
+    out = args.out or beside_run(run, "niah")
     png = write(result, out)
     for task, acc in result["by_task"].items():
         per_length = "  ".join(f"{L}: {v:.2f}" for L, v in result["by_length"][task].items())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from attnzoo.analysis.niah import heatmap, needle_cells, write  # noqa: F401 (re-exported)
+from attnzoo.analysis.niah import heatmap, needle_cells, summarise_cells, write  # noqa: F401 (re-exported)
 from attnzoo.config.errors import ConfigError
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.needles import make_samples, score
@@ -72,13 +72,7 @@ def summarise(samples, scores) -> dict:
     cells: dict = {}
     for s, v in zip(samples, scores):
         cells.setdefault(s.task, {}).setdefault(s.length, {}).setdefault(s.depth, []).append(v)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {
-        "accuracy": {t: {str(L): {str(d): mean(v) for d, v in ds.items()} for L, ds in ls.items()} for t, ls in cells.items()},
-        "by_length": {t: {str(L): mean([x for v in ds.values() for x in v]) for L, ds in ls.items()}
-                      for t, ls in cells.items()},
-        "by_task": {t: mean([x for ds in ls.values() for v in ds.values() for x in v]) for t, ls in cells.items()},
-    }
+    return summarise_cells(cells)
 
 
 
