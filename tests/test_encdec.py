@@ -18,7 +18,7 @@ from attnzoo.data.seq2seq import (
     EOS, FIRST_SYMBOL, PAD, PLUS,
 )
 from attnzoo.models.encoder_decoder import EncoderDecoder, EncoderMLM, mask_tokens
-from attnzoo.training.lit_lm import lr_lambda, noam_lr
+from attnzoo.training.schedules import lr_lambda, noam_lr
 from attnzoo.training.lit_seq2seq import LitMLM, LitSeq2Seq, exact_match, masked_ce
 from tests.conftest import gap_atol
 

@@ -126,7 +126,8 @@ def bare_run(overrides: list[str], steps: int) -> dict:
     from attnzoo.config.schema import OptimConfig, SchedulerConfig
     from attnzoo.training.config_checks import validate
     from attnzoo.data import build_datamodule
-    from attnzoo.training.lit_lm import LitLM, lr_lambda, param_groups
+    from attnzoo.training.lit_lm import LitLM, param_groups
+    from attnzoo.training.schedules import lr_lambda
 
     cfg = compose(overrides)
     parts = validate(cfg)

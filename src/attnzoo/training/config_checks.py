@@ -25,6 +25,7 @@ from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget, check_budget_floor
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
+from attnzoo.training.recipe_checks import check_optim, check_scheduler
 
 # torch is imported by the checks that need it (devices, kernels), after the value checks: a refused value is
 # reported before torch's import (issue 45; tests/test_lean_imports.py)
@@ -389,16 +390,8 @@ def validate(cfg: DictConfig) -> dict:
     check_budget(container.get("model_budget"))
     if family.name == "decoder":
         check_budget_floor(container.get("model_budget"), model)
-    check_choice(run.optim.name, "optim.name", ("adamw",))
-    check(run.optim.lr > 0, "optim.lr", f"must be positive, got {run.optim.lr}")
-    check(len(run.optim.betas) == 2 and all(0 <= b < 1 for b in run.optim.betas), "optim.betas",
-          f"got {list(run.optim.betas)}; allowed: two values in [0, 1), e.g. [0.9, 0.95]")
-    check(run.optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {run.optim.weight_decay}")
-    check(run.optim.eps > 0, "optim.eps", f"must be positive, got {run.optim.eps}")
-    check_choice(run.scheduler.name, "scheduler.name", ("cosine", "noam", "constant"))
-    check(run.scheduler.warmup_steps >= 0, "scheduler.warmup_steps", f"must be >= 0, got {run.scheduler.warmup_steps}")
-    check(0 <= run.scheduler.min_lr_ratio <= 1, "scheduler.min_lr_ratio",
-          f"must be in [0, 1] (a fraction of optim.lr), got {run.scheduler.min_lr_ratio}")
+    check_optim(run.optim)
+    check_scheduler(run.scheduler, run.trainer)
     _check_length(run, model, data)
     _check_trainer(run.trainer)
     _check_callbacks(callbacks_node or {}, data, model)

@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from attnzoo.config.schema import _merge, parse_pattern, resolve_model
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.registry import MIXERS
-from attnzoo.training.lit_lm import LitLM, lr_lambda
+from attnzoo.training.lit_lm import LitLM
+from attnzoo.training.schedules import lr_lambda
 from attnzoo.models.decoder import DecoderLM
 
 COPY_MODES = ("required", "where_possible", "none")
