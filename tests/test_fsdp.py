@@ -63,10 +63,12 @@ def one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """Runs on 2 FSDP ranks that several tests read and never write: 8 steps ("to8"), and 4 steps ("to4", a step-4
-    sharded checkpoint: a test that resumes from it works on a copy, `copy_run`)."""
+    """Runs on 2 FSDP ranks that several tests read and never write: 8 steps ("to8", keeping its step checkpoints of
+    steps 4, 6 and 8: every 2 steps, the newest 3), and 4 steps ("to4", a step-4 sharded checkpoint: a test that
+    resumes from it works on a copy, `copy_run`)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8"], root / "to8"))
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "callbacks.checkpoint_every_n_steps=2",
+                                    "callbacks.step_checkpoints=true", "callbacks.keep_latest=3"], root / "to8"))
     train(compose_cfg(BASE + TWO + ["trainer.max_steps=4"], root / "to4"))
     return root
 
@@ -149,10 +151,19 @@ def test_an_unknown_worker_start_method_is_refused_in_one_line(monkeypatch):
 
 def test_fsdp_resume_is_exact_and_every_reader_takes_the_sharded_checkpoint(tmp_path, fsdp_runs):
     """Stopped at step 4 and resumed to 8 on the same 2 ranks: every train/loss row equals the uninterrupted run's;
-    attnzoo.load, attnzoo-ckpt consolidate and the consolidated file give the same model."""
+    attnzoo.load, attnzoo-ckpt consolidate and the consolidated file give the same model. The uninterrupted run's
+    sharded step checkpoints: the newest 3 kept (step 2's folder deleted with its link), step 4's resumes exactly."""
+    ckpts = fsdp_runs / "to8" / "checkpoints"
+    kept = sorted(p.name for p in ckpts.glob("step-*.ckpt"))
+    assert kept == ["step-00000004.ckpt", "step-00000006.ckpt", "step-00000008.ckpt"], kept
+    assert all((ckpts / k).is_symlink() and is_sharded_checkpoint(ckpts / k) for k in kept)
+    assert len(list(ckpts.glob("step-*.shards-*"))) == 3  # step 2's folder went with its link
     split = copy_run(fsdp_runs / "to4", tmp_path / "split")
     train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=last"], split))
     assert torch.equal(losses(tmp_path / "split"), losses(fsdp_runs / "to8"))
+    at_step = copy_run(fsdp_runs / "to8", tmp_path / "at_step")
+    train(compose_cfg(BASE + TWO + ["trainer.max_steps=8", "ckpt_path=step:4"], at_step))
+    assert torch.equal(losses(at_step), losses(fsdp_runs / "to8"))
     sharded = tmp_path / "split" / "checkpoints" / "last.ckpt"
     out = tmp_path / "model.ckpt"
     r = run_python(["-m", "attnzoo.cli.ckpt", "consolidate", str(sharded), str(out)], timeout=300)

@@ -113,10 +113,10 @@ def test_fused_adamw_under_bf16_mixed_clips_its_gradients(tmp_path, monkeypatch)
     (configure_gradient_clipping): the run trains, fused, every step's gradients clipped to the configured norm."""
     from lightning.pytorch.plugins.precision import Precision
 
-    from attnzoo.training import lit_lm
+    from attnzoo.training import optimizers
     from attnzoo.training.run import train
 
-    monkeypatch.setattr(lit_lm, "fused_adamw", lambda params, precision: True)  # as on CUDA
+    monkeypatch.setattr(optimizers, "fused_adamw", lambda params, precision: True)  # as on CUDA
     fused, clipped = [], []
     adamw = torch.optim.AdamW.__init__
 

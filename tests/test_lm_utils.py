@@ -8,7 +8,8 @@ from attnzoo.config.schema import SchedulerConfig
 from attnzoo.data.corpus import load_corpus
 from attnzoo.data.text import Blocks, TextDataConfig, TextDataModule
 from attnzoo.data.tokenizer import BPETokenizer, CharTokenizer, get_tokenizer
-from attnzoo.training.lit_lm import lr_lambda, noam_lr, param_groups
+from attnzoo.training.lit_lm import param_groups
+from attnzoo.training.schedules import lr_lambda, noam_lr
 from attnzoo.models.decoder import DecoderLM, sample_next
 from tests.conftest import tiny_model_cfg
 

@@ -19,6 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 
 from attnzoo.config.errors import ConfigError, check, check_choice  # noqa: F401  (re-exported: attnzoo.config.schema.ConfigError)
+from attnzoo.config.run_configs import (EvalConfig, InferenceConfig, PathsConfig, PerfConfig,  # noqa: F401 (re-exported)
+                                        SampleConfig)
 
 
 # ----------------------------------------------------------------------------- model parts
@@ -95,18 +97,27 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | muon (Muon on hidden matrices + AdamW: training/optimizers.py, docs/optimizers.md)
     lr: float = 1e-3
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
+    momentum: float = 0.95  # muon only, as the next three: Nesterov momentum, then ns_steps Newton-Schulz iterations
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: str = "auto"  # auto (bf16 on CUDA, else the parameters' precision) | bf16 | fp32 | fp64
 
 
 @dataclass
 class SchedulerConfig:
-    name: str = "cosine"  # cosine | noam | constant
+    name: str = "cosine"  # cosine | noam | constant | wsd
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of optim.lr
+    min_lr_ratio: float = 0.1  # the decay's floor (cosine, wsd), as a fraction of optim.lr
+    # wsd (warmup-stable-decay, training/schedules.py): the final decay's length, in steps, or as a fraction of
+    # trainer.max_steps when decay_steps is null; and its shape: linear | cosine | 1-sqrt
+    decay_steps: Optional[int] = None
+    decay_fraction: float = 0.2
+    decay_shape: str = "1-sqrt"
 
 
 @dataclass
@@ -163,57 +174,12 @@ class TrainerConfig:
 
 
 @dataclass
-class SampleConfig:
-    prompt: str = "def "
-    max_new_tokens: int = 64
-    temperature: float = 0.8
-    top_k: Optional[int] = 40
-    top_p: Optional[float] = None
-
-
-@dataclass
-class PerfConfig:
-    peak_flops: Optional[float] = None  # override the measured / table peak (FLOP/s, dense)
-    measure_decode: bool = True  # end-of-run prefill + decode measurement (cache/bytes_at_ctx, decode tok/s)
-    decode_tokens: int = 32
-    # the measured decode step compiled (attnzoo.models.decoding): auto = on CUDA only | true | false
-    decode_compile: Any = "auto"
-
-    def __post_init__(self) -> None:
-        if self.decode_compile not in ("auto", True, False):
-            raise ConfigError(f"got {self.decode_compile!r}; allowed: auto, true, false", field="perf.decode_compile")
-
-
-@dataclass
-class EvalConfig:
-    context_lengths: List[int] = field(default_factory=list)  # extra evaluation lengths (attnzoo.analysis.extrapolation)
-    max_batches: int = 8  # batches per length
-    # data=needle: needle depths evaluated at data.seq_len and each context length at the end of the run (niah.json,
-    # niah.png, niah/acc@<length>@<depth> in the metrics; inference/niah.py); []: none
-    niah_depths: List[float] = field(default_factory=list)
-    niah_samples: int = 256  # examples per (length, depth)
-
-
-@dataclass
-class InferenceConfig:
-    """The KV-cache format at inference (attnzoo.mixers.kv_quant; docs/attention.md#kv-cache-quantization)."""
-
-    kv_cache_dtype: str = "fp32"  # fp32 (as computed) | bf16 | int8 | int4 (KIVI; mha/gqa/mqa layers)
-    kv_group_size: int = 32  # G: tokens per key scale (per channel), channels per value scale (per token)
-    kv_residual: int = 32  # R: the most recent R tokens (up to R + G - 1) stay in full precision
-
-
-@dataclass
-class PathsConfig:
-    output_dir: str = "outputs"
-    cache_dir: str = "~/.cache/attnzoo"
-
-
-@dataclass
 class TrainConfig:
     task_name: str = "train"
     seed: int = 1337
-    ckpt_path: Optional[str] = None  # a .ckpt path, or `last` (this run dir's checkpoints/last.ckpt)
+    ckpt_path: Optional[str] = None  # a .ckpt path, `last` (this run dir's checkpoints/last.ckpt) or `step:N`
+    branch_from: Optional[str] = None  # a stable scheduler=wsd run's dir: start at its step checkpoint where this
+    # run's decay starts (a cooldown; training/recipe_checks.run_checkpoint)
     compile: bool = False
     optimized_metric: str = "val/loss"  # what main() returns to a Hydra sweeper
     model_budget: Optional[Any] = None  # {params: N | match: {model keys}, count: non_embedding|total, tol: 0.02}
@@ -277,7 +243,7 @@ def _merge(schema: type, node: Any, prefix: str) -> Any:
 
 
 def _section_schema(schema: type, path: list) -> type:
-    """The dataclass of the section at `path` under `schema` (Optional[...] unwrapped); the deepest found."""
+    """The dataclass of the section at `path` under `schema` (Optional[...], dict[str, ...] unwrapped); the deepest."""
     import dataclasses
     import typing
 
@@ -286,7 +252,7 @@ def _section_schema(schema: type, path: list) -> type:
             hint = typing.get_type_hints(schema).get(part)
         except (NameError, TypeError):
             return schema
-        inner = [hint, *typing.get_args(hint)]
+        inner = [hint, *typing.get_args(hint), *(a for t in typing.get_args(hint) for a in typing.get_args(t))]
         found = next((t for t in inner if dataclasses.is_dataclass(t)), None)
         if found is None:
             return schema

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.data import DATAMODULES
+from attnzoo.data.shards_configs import MixtureSource, check_mixture
 from attnzoo.data.synthetic_configs import (NEEDLE_SPECIALS, NeedleConfig, SyntheticConfig,  # noqa: F401 (re-exported)
                                          needle_tokens)
 
@@ -389,10 +390,16 @@ class ShardsDataConfig:
     # (key: the source's fingerprint + the prepare options), once for every job of a sweep and every rank
     source: Optional[str] = None
     prepare: dict = field(default_factory=dict)  # with source: attnzoo-data prepare's options, e.g. {vocab_size: 8192}
+    # instead of path / source: prepared folders (one tokenizer) mixed by weight, {name: {path, weight}}; the name
+    # is its data/tokens/<name> metric (data/shards_configs.py, docs/data.md#mixtures)
+    mixture: Optional[dict[str, MixtureSource]] = None
 
     def validate(self, model, field: str) -> None:
         check(self.seq_len > 0, f"{field}.seq_len", "must be positive")
         check(self.batch_size > 0, f"{field}.batch_size", "must be positive")
+        if self.mixture is not None:
+            check_mixture(self, model, field)
+            return
         check(self.path is None or self.source is None, f"{field}.source", f"{self.source!r} given with "
               f"{field}.path={self.path!r}; allowed: one of them (a prepared folder, or a source prepared on first use)")
         check(self.path is not None or self.source is not None, f"{field}.path", f"is required with data=shards; "
@@ -465,4 +472,5 @@ for _name, _config, _module in (
     DATAMODULES.declare(_name, _config, f"attnzoo.data.{_module}")
 # modules of the package that register no data module
 DATAMODULES.helpers(*(f"attnzoo.data.{m}" for m in ("corpus", "needles", "prepare", "prepare_tokens", "sampling",
-                                                     "sources", "synthetic", "synthetic_configs", "tokenizer")))
+                                                     "shards_configs", "sources", "synthetic", "synthetic_configs",
+                                                     "tokenizer")))

@@ -12,6 +12,10 @@ Resume is exact: the training loader's state in the checkpoint is litdata's stat
 loop has consumed (recorded after every batch by `DataPositionCallback`), not at the batch litdata has handed
 out (a fetcher may run ahead: Lightning's fetches one batch ahead of a loader without a length), so a resumed run
 continues with the very next batch.
+
+`data.mixture` (instead of data.path) blends several prepared folders of one tokenizer by weight: a loader per
+source, blended in the training process (_shards_loader.MixtureLoader: what an epoch of the mixture is, and why
+not litdata's CombinedStreamingDataset: docs/data.md#mixtures); each source's tokens are logged.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from attnzoo.data.configs import PREPARE, ShardsDataConfig, _relabel, prepare_op
 if TYPE_CHECKING:  # litdata itself is imported where shards are read (data/_shards_loader.py), not by every run
     from litdata import StreamingDataLoader, StreamingDataset
 
-    from attnzoo.data._shards_loader import ShardsLoader
+    from attnzoo.data._shards_loader import MixtureLoader, ShardsLoader
 
 # Lightning warns that an IterableDataset with __len__ may repeat data across workers; litdata gives each
 # worker its own share (tests/test_shards.py: every block exactly once)
@@ -130,12 +134,15 @@ class ShardsDataModule(L.LightningDataModule):
         self.tokenizer: Optional[FileTokenizer] = None
         self.manifest: dict = {}
         self.info: dict = {}
-        self.train_loader: Optional[ShardsLoader] = None
+        self.mixture: dict[str, Path] = {}  # data.mixture: each source's folder
+        self.train_loader: Optional[ShardsLoader | MixtureLoader] = None
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.tokenizer is not None:
             return
         cfg = self.cfg
+        if cfg.mixture is not None:
+            return self._setup_mixture()
         if cfg.path is None and cfg.source is None:
             raise ConfigError(f"is required with data=shards; allowed: a folder written by `{PREPARE}`",
                               field="data.path")
@@ -144,17 +151,38 @@ class ShardsDataModule(L.LightningDataModule):
         self.root = Path(path).expanduser().resolve()
         self.tokenizer = FileTokenizer.from_file(self.root / "tokenizer.json")
         self.eos_id = int(self.manifest["tokenizer"]["eos_id"])
-        block = cfg.seq_len + 1
-        blocks = {split: count_blocks(self.root / split, block) for split in ("train", "val")}
+        blocks = self._blocks(path, self.root, self.manifest)
+        self.info = {"path": str(self.root), "manifest": self.manifest, "train_blocks": blocks["train"],
+                     "val_blocks": blocks["val"]}
+
+    def _blocks(self, path: str, root: Path, manifest: dict) -> dict[str, int]:
+        """Blocks of seq_len + 1 tokens per split, refused (one line) below one batch to train on or one block."""
+        cfg, block = self.cfg, self.cfg.seq_len + 1
+        blocks = {split: count_blocks(root / split, block) for split in ("train", "val")}
         if blocks["train"] < cfg.batch_size or blocks["val"] < 1:
             split = "train" if blocks["train"] < cfg.batch_size else "val"
-            tokens = self.manifest["splits"][split]["tokens"]
+            tokens = manifest["splits"][split]["tokens"]
             raise ConfigError(f"{path}'s {split} split ({tokens:,} tokens) holds {blocks[split]} blocks of "
                               f"seq_len + 1 = {block} tokens, fewer than {'one batch' if split == 'train' else 'one'}; "
                               f"allowed: a smaller data.seq_len / data.batch_size, or a larger corpus",
                               field="data.seq_len")
-        self.info = {"path": str(self.root), "manifest": self.manifest, "train_blocks": blocks["train"],
-                     "val_blocks": blocks["val"]}
+        return blocks
+
+    def _setup_mixture(self) -> None:
+        """data.mixture: each source's folder and blocks (checked as data.path's are); the tokenizer is the
+        sources' one (checked by the config: data/shards_configs.py), read from the first."""
+        self.mixture = {name: Path(src.path).expanduser().resolve() for name, src in self.cfg.mixture.items()}
+        sources = {}
+        for name, root in self.mixture.items():
+            manifest = read_manifest(self.cfg.mixture[name].path, f"data.mixture.{name}.path")
+            sources[name] = {"path": str(root), "weight": self.cfg.mixture[name].weight, "manifest": manifest,
+                             **{f"{split}_blocks": n for split, n in self._blocks(str(root), root, manifest).items()}}
+        self.root = next(iter(self.mixture.values()))
+        self.manifest = sources[next(iter(sources))]["manifest"]
+        self.tokenizer = FileTokenizer.from_file(self.root / "tokenizer.json")
+        self.eos_id = int(self.manifest["tokenizer"]["eos_id"])
+        self.info = {"mixture": sources, "train_blocks": sum(s["train_blocks"] for s in sources.values()),
+                     "val_blocks": sum(s["val_blocks"] for s in sources.values())}
 
     @property
     def vocab_size(self) -> int:
@@ -166,13 +194,14 @@ class ShardsDataModule(L.LightningDataModule):
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
 
-    def _dataset(self, split: str, shuffle: bool) -> StreamingDataset:
+    def _dataset(self, split: str, shuffle: bool, root: Optional[Path] = None) -> StreamingDataset:
         from litdata import StreamingDataset, TokensLoader
 
         from attnzoo.data._shards_loader import data_parallel_env
 
-        ds = StreamingDataset(str(self.root / split), item_loader=TokensLoader(block_size=self.cfg.seq_len + 1),
-                              shuffle=shuffle, seed=self.seed, drop_last=shuffle)
+        block = TokensLoader(block_size=self.cfg.seq_len + 1)
+        ds = StreamingDataset(str((root or self.root) / split), item_loader=block, shuffle=shuffle, seed=self.seed,
+                              drop_last=shuffle)
         ds.distributed_env = data_parallel_env(ds)
         if ds.distributed_env.world_size > 1:
             ds.set_drop_last(True)  # every rank the same number of batches (its collectives stay in step)
@@ -185,6 +214,11 @@ class ShardsDataModule(L.LightningDataModule):
         """Shuffled per epoch from the run's seed, shared over ranks and workers, resumable at the exact batch."""
         from attnzoo.data._shards_loader import ShardsLoader
 
+        if self.cfg.mixture is not None:
+            self.train_loader = self._mixture_loader("train", self.cfg.shuffle)
+            epoch = dict(zip(self.train_loader.names, self.train_loader.cum[-1].tolist()))
+            self.info["epoch"] = {"batches": len(self.train_loader), "blocks_per_rank": epoch}
+            return self.train_loader
         self.train_loader = ShardsLoader(self._dataset("train", self.cfg.shuffle), batch_size=self.cfg.batch_size,
                                          num_workers=self.cfg.num_workers, collate_fn=self._collate(),
                                          worker_init_fn=end_with_the_rank)
@@ -199,9 +233,33 @@ class ShardsDataModule(L.LightningDataModule):
         """In order, shared over ranks (the LightningModule reduces the metrics exactly)."""
         from attnzoo.data._shards_loader import ValLoader
 
+        if self.cfg.mixture is not None:
+            return self._mixture_loader("val", False)
         loader = ValLoader(self._dataset("val", False), batch_size=self.cfg.batch_size,
                            num_workers=self.cfg.num_workers, collate_fn=self._collate(), worker_init_fn=end_with_the_rank)
         loader.vocab_size, loader.root = self.vocab_size, str(self.root)
+        return loader
+
+    def _mixture_loader(self, split: str, shuffle: bool) -> MixtureLoader:
+        """data.mixture's loader of a split: a ShardsLoader per source (its own workers; training: whole
+        batches, drop_last) blended in the training process (_shards_loader.MixtureLoader, docs/data.md#mixtures)."""
+        from attnzoo.data._shards_loader import MixtureLoader, ShardsLoader, stack_blocks
+
+        sources = {}
+        for name, root in self.mixture.items():
+            ds = self._dataset(split, shuffle, root)
+            if split == "train":
+                ds.set_drop_last(True)  # every batch of every worker whole: a source's blocks are its batches x B
+            src = sources[name] = ShardsLoader(ds, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
+                                               collate_fn=stack_blocks, worker_init_fn=end_with_the_rank)
+            src.vocab_size, src.root, src.field = self.vocab_size, str(root), f"data.mixture.{name}.path"
+            if split == "train" and len(src) == 0:  # (validation as data.path's: no batch on a rank, none scored)
+                raise ConfigError(f"{root}'s train split gives no batch of {self.cfg.batch_size} per rank and "
+                                  f"loader worker; allowed: fewer data.num_workers, a smaller data.batch_size / "
+                                  f"seq_len", field=f"data.mixture.{name}.path")
+        loader = MixtureLoader(sources, [s.weight for s in self.cfg.mixture.values()], self.cfg.batch_size,
+                               self._collate(), drop_last=split == "train")
+        loader.world = ds.distributed_env.world_size
         return loader
 
     def tokens_seen(self) -> Optional[int]:
@@ -210,6 +268,17 @@ class ShardsDataModule(L.LightningDataModule):
         loader = self.train_loader
         if loader is None or loader.position is None:
             return None
-        world = loader.dataset.distributed_env.world_size
+        world = getattr(loader, "world", None) or loader.dataset.distributed_env.world_size
         batches = int(loader.position["epoch"]) * len(loader) + int(loader.position["batches"])
         return batches * self.cfg.batch_size * self.cfg.seq_len * world
+
+    def tokens_by_source(self) -> Optional[dict[str, int]]:
+        """data.mixture: each source's training tokens delivered so far (`data/tokens/<name>`), all data-parallel
+        ranks together: every rank blends the same order over the same number of blocks per source (equal shares),
+        so the sum is the world x this rank's count, exactly, with no collective."""
+        loader = self.train_loader
+        if self.cfg.mixture is None or loader is None or loader.position is None:
+            return None
+        epoch, done = int(loader.position["epoch"]), int(loader.position["batches"])
+        blocks = epoch * loader.cum[-1] + (loader.cum[done - 1] if done else 0)
+        return {name: int(n) * self.cfg.seq_len * loader.world for name, n in zip(loader.names, blocks.tolist())}

@@ -21,10 +21,44 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return p.is_dir() and (p / META).is_file() and (p / DCP_METADATA).is_file()
 
 
+STEP_PREFIX = "step-"  # callbacks.step_checkpoints: checkpoints/step-<8-digit step>.ckpt
+
+
+def step_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """The step checkpoint a run kept at optimizer step `step` (callbacks.step_checkpoints)."""
+    return Path(run_dir).expanduser() / "checkpoints" / f"{STEP_PREFIX}{int(step):08d}.ckpt"
+
+
+def kept_steps(run_dir: str | Path) -> list[int]:
+    """The steps whose checkpoints a run keeps (files, or links to sharded folders), ascending."""
+    folder = Path(run_dir).expanduser() / "checkpoints"
+    names = [p.name for p in folder.glob(f"{STEP_PREFIX}*.ckpt")] if folder.is_dir() else []
+    return sorted(int(n[len(STEP_PREFIX):-5]) for n in names if n[len(STEP_PREFIX):-5].isdigit())
+
+
+def existing_step(run_dir: str | Path, step: int, field: str) -> Path:
+    """`step_checkpoint`, refused in one line (with the steps there are) when the run kept none at that step."""
+    p = step_checkpoint(run_dir, step)
+    if not p.exists():
+        kept = kept_steps(run_dir)
+        there = f"steps kept there: {', '.join(map(str, kept))}" if kept else \
+            "it kept no step checkpoints (callbacks.step_checkpoints=true keeps them)"
+        raise ConfigError(f"no checkpoint of step {step} in {Path(run_dir).expanduser() / 'checkpoints'}; {there}",
+                          field=field)
+    return p
+
+
 def checkpoint_file(ckpt_path: Optional[str], out: Path) -> Optional[Path]:
-    """`ckpt_path` as a path: `last` -> <out>/checkpoints/last.ckpt (which must exist); None: no checkpoint."""
+    """`ckpt_path` as a path: `last` -> <out>/checkpoints/last.ckpt (which must exist), `step:N` -> the step
+    checkpoint this run kept at step N (must exist); None: no checkpoint."""
     if ckpt_path is None:
         return None
+    if str(ckpt_path).startswith("step:"):
+        step = str(ckpt_path)[5:]
+        if not step.isdigit():
+            raise ConfigError(f"got {ckpt_path!r}; allowed: step:N with N an optimizer step the run kept, `last`, "
+                              "or a .ckpt path", field="ckpt_path")
+        return existing_step(out, int(step), "ckpt_path")
     if ckpt_path == "last":
         p = Path(out).expanduser() / "checkpoints" / "last.ckpt"
         if not p.exists():

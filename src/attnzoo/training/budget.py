@@ -69,15 +69,24 @@ def match_budget(model_cfg: dict, vocab_size: int, params: int, count: str = "no
     The parameter count is non-decreasing in the width, so a doubling then bisection search finds the
     smallest width reaching the target; the closer of it and the step below wins."""
     key, step = width_field(model_cfg)
-    f = lambda w: count_params(_with(model_cfg, key, w * step), vocab_size, count)  # noqa: E731
-    lo, hi = 1, 1
-    while f(hi) < params:
-        lo, hi = hi, hi * 2
-        if hi > 1 << 20:
-            raise ConfigError(f"{params} parameters not reachable by growing model.{key}", field="model_budget.params")
-    while lo < hi:  # smallest w with f(w) >= params
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if f(mid) < params else (lo, mid)
+    counted: dict = {}
+
+    def f(w: int) -> int:  # each width's model built once (on the meta device)
+        if w not in counted:
+            counted[w] = count_params(_with(model_cfg, key, w * step), vocab_size, count)
+        return counted[w]
+
+    lo = _affine_width(f, params)
+    if lo is None:  # not affine in the width (or past the search's reach): doubling, then bisection
+        lo, hi = 1, 1
+        while f(hi) < params:
+            lo, hi = hi, hi * 2
+            if hi > 1 << 20:
+                raise ConfigError(f"{params} parameters not reachable by growing model.{key}",
+                                  field="model_budget.params")
+        while lo < hi:  # smallest w with f(w) >= params
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if f(mid) < params else (lo, mid)
     best = min({max(1, lo - 1), lo}, key=lambda w: abs(f(w) - params))
     got = f(best)
     rel = abs(got - params) / params
@@ -90,6 +99,20 @@ def match_budget(model_cfg: dict, vocab_size: int, params: int, count: str = "no
     info = {"budget/target": float(params), "budget/params": float(got), "budget/value": float(best * step),
             "budget/rel_error": rel, "budget/field": f"model.{key}"}
     return _with(model_cfg, key, best * step), info
+
+
+def _affine_width(f, params: int) -> int | None:
+    """The smallest width w with f(w) >= params, predicted from f(1) and f(2) (a model's parameters grow by the same
+    amount per unit of d_ff or head_dim in every layer it has) and verified: f(w) >= params > f(w - 1). None when the
+    prediction fails the check; the bisection then finds it (the same w: f is non-decreasing). 2-4 models built
+    instead of ~2 log2(w) (a sweep job's start, and the tests that size every variant of a sweep)."""
+    slope = f(2) - f(1)
+    if slope <= 0:
+        return None
+    w = max(1, math.ceil((params - f(1)) / slope) + 1)
+    if w > 1 << 20:
+        return None
+    return w if f(w) >= params and (w == 1 or f(w - 1) < params) else None
 
 
 def _merged(base: dict, over: dict) -> dict:

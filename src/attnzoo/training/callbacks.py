@@ -151,7 +151,8 @@ class TrainingSpend(L.Callback):
     counted from what the run had spent when it started (`length.start`: a resumed run's checkpoint holds this
     callback's count, `state_dict`). A data module that counts what its loader delivered (data=shards:
     `tokens_seen()`, from the consumed position) adds `train/tokens_seen`, the same count from the data side
-    (ahead of train/tokens by the micro-batches of an optimizer step in progress)."""
+    (ahead of train/tokens by the micro-batches of an optimizer step in progress); one that mixes sources
+    (data.mixture: `tokens_by_source()`) adds `data/tokens/<name>` per source."""
 
     def __init__(self, length) -> None:
         self.length = length
@@ -166,6 +167,8 @@ class TrainingSpend(L.Callback):
         seen = getattr(trainer.datamodule, "tokens_seen", None)
         if seen is not None and seen() is not None:
             metrics["train/tokens_seen"] = float(seen())
+        by_source = getattr(trainer.datamodule, "tokens_by_source", lambda: None)()  # data.mixture: per source
+        metrics.update({f"data/tokens/{name}": float(n) for name, n in (by_source or {}).items()})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def state_dict(self) -> dict:

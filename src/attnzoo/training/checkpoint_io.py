@@ -178,3 +178,7 @@ def check_resume_compatible(saved_cfg: dict | None, cfg: dict, path: str | Path)
         raise ConfigError(
             f"{path} was trained with another model/data config: {shown}{more}; allowed: the run's own values "
             f"(attnzoo-train --resume RUN_DIR reuses them)", field="ckpt_path")
+    was, now = ((c.get("optim") or {}).get("name", "adamw") for c in (saved_cfg, cfg))  # its state is one rule's
+    if was != now:
+        raise ConfigError(f"{path} holds the optimizer state of optim={was}, which optim={now} cannot continue; "
+                          f"allowed: optim={was}, or a new run", field="optim.name")

@@ -25,7 +25,7 @@ from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget, check_budget_floor
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
-from attnzoo.training.recipe_checks import check_optim, check_scheduler
+from attnzoo.training.recipe_checks import check_optim, check_scheduler, run_checkpoint
 
 # torch is imported by the checks that need it (devices, kernels), after the value checks: a refused value is
 # reported before torch's import (issue 45; tests/test_lean_imports.py)
@@ -114,6 +114,11 @@ def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
     every = cb.get("checkpoint_every_n_steps")
     check(every is None or (isinstance(every, int) and every >= 0), "callbacks.checkpoint_every_n_steps",
           f"got {every!r}; allowed: null (every val_check_interval), 0 (same) or a positive number of steps")
+    check(cb.get("step_checkpoints", False) in (True, False), "callbacks.step_checkpoints",
+          f"got {cb.get('step_checkpoints')!r}; allowed: true (keep checkpoints/step-<N>.ckpt) or false")
+    keep = cb.get("keep_latest")
+    check(keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1), "callbacks.keep_latest",
+          f"got {keep!r}; allowed: null (keep every step checkpoint) or a number >= 1")
     # metrics that exist when checkpoints / early stopping read them: validation metrics of this task
     metrics = family_of(model).metrics(data)
     monitors = [("callbacks.monitor", cb.get("monitor"))]
@@ -194,6 +199,8 @@ def _check_sample_and_perf(run: Any) -> None:
           f"{s.top_k}")
     check(s.top_p is None or 0 < s.top_p <= 1, "sample.top_p", f"must be in (0, 1] or null (1 / null: no nucleus "
           f"cut), got {s.top_p}")
+    check(p.profile_wait >= 0, "perf.profile_wait", f"must be >= 0 (steps before the profiled window), got {p.profile_wait}")
+    check(p.profile_steps >= 1, "perf.profile_steps", f"must be >= 1 (steps profiled), got {p.profile_steps}")
     check(p.decode_tokens >= 0, "perf.decode_tokens", f"must be >= 0 (0: no decode steps timed), got "
           f"{p.decode_tokens}")
     check(p.peak_flops is None or (p.peak_flops > 0 and math.isfinite(p.peak_flops)), "perf.peak_flops",
@@ -483,7 +490,7 @@ def preflight(cfg: DictConfig) -> None:
         return
     parts = validate(cfg)
     run = parts["run"]
-    ckpt = checkpoint_file(run.ckpt_path, Path(run.paths.output_dir))  # the file itself; its contents: train()
+    ckpt = checkpoint_file(run_checkpoint(run), Path(run.paths.output_dir))  # the file; its contents: train()
     if ckpt is not None:
         check_checkpoint_file(ckpt)
     check_devices_present(parts["run"].trainer)

@@ -19,6 +19,8 @@ from attnzoo.ops.cross_entropy import chunked_cross_entropy
 from attnzoo.ops.packing import Documents
 from attnzoo.distributed.fsdp import is_sharded, shard_model
 from attnzoo.training.fsdp import FSDPStrategy
+# param_groups and fused_adamw are imported from here by tests and benchmarks
+from attnzoo.training.optimizers import build_optimizer, fused_adamw, param_groups  # noqa: F401
 from attnzoo.training.schedules import lr_lambda, schedule_digest
 
 log = logging.getLogger("attnzoo")
@@ -59,45 +61,6 @@ def set_rng_states(states: dict) -> None:
         # resumes on 1: the first state goes to cuda:0, the rest are left; GPUs beyond the saved keep their seed)
         for index, state in enumerate(states["cuda"][:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(state, index)
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None) -> list[dict]:
-    """AdamW groups: decay on weight matrices only; none on norms, biases, embeddings, and parameters
-    flagged `_no_weight_decay` (e.g. Gated DeltaNet's A_log and dt_bias). Parameters flagged `_lr_scale`
-    (model=vlm's image encoder, model.vision.lr_scale; µP's hidden weights, models/mup.py) get groups of their own
-    at lr * scale, and decayed ones flagged `_wd_scale` (µP) weight_decay * that scale."""
-    groups: dict = {}
-    seen: set = set()
-    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        decay = p.dim() >= 2 and id(p) not in emb_ids and not getattr(p, "_no_weight_decay", False)
-        wd_scale = getattr(p, "_wd_scale", 1.0) if decay else 1.0
-        groups.setdefault((getattr(p, "_lr_scale", 1.0), wd_scale, decay), []).append(p)
-    out = [{"params": groups.pop((1.0, 1.0, True), []), "weight_decay": weight_decay},
-           {"params": groups.pop((1.0, 1.0, False), []), "weight_decay": 0.0}]
-    for (scale, wd_scale, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][2], kv[0][1])):
-        out.append({"params": params, "weight_decay": weight_decay * wd_scale if decay else 0.0, "lr_scale": scale,
-                    **({"lr": lr * scale} if lr is not None else {})})
-    return out
-
-
-def fused_adamw(params, precision: str) -> bool:
-    """Whether AdamW takes its fused kernel (one launch over all parameters instead of a loop of foreach kernels:
-    327 -> 49 ms per optimizer step on a 17.7M-param CPU model, docs/benchmarks.md) for these parameters at this
-    Lightning precision. Needs every parameter floating point and on one device type fused supports (cuda, cpu).
-    Then: on CUDA always, except 16-mixed (its GradScaler: a fused step unscales inside itself, so the gradients
-    Lightning clips before the step would still be scaled); under bf16-mixed the gradients carry no scale and
-    `TrainingModule.configure_gradient_clipping` clips them. On a CPU only without mixed precision (as before)."""
-    kinds = {p.device.type for p in params}
-    if len(kinds) != 1 or not all(p.is_floating_point() for p in params):
-        return False
-    kind = kinds.pop()
-    if kind == "cuda":
-        return str(precision) != "16-mixed"
-    return kind == "cpu" and "mixed" not in str(precision)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -199,6 +162,16 @@ class TrainingModule(L.LightningModule):
         return {"steps": steps, "max_steps": int(self.max_steps), "scheduler": self.sched_cfg.name,
                 "digest": schedule_digest(self.lr_multiplier(), steps)}
 
+    def on_train_start(self) -> None:
+        """Each group's learning rate from this run's schedule at the step training starts: a resume gets the rate it
+        had, and a cooldown branched from a stable run's checkpoint (whose optimizer state holds the stable run's
+        rate) its own decay's from the first step on."""
+        for sched in self.trainer.lr_scheduler_configs:
+            scheduler = sched.scheduler
+            if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                for group, f, base in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs):
+                    group["lr"] = base * f(scheduler.last_epoch)  # LambdaLR's own formula
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng_states" in checkpoint:  # checkpoints written before the states were saved: seeded state kept
             set_rng_states(checkpoint["rng_states"])
@@ -217,11 +190,8 @@ class TrainingModule(L.LightningModule):
         return stats
 
     def configure_optimizers(self) -> Any:
-        o = self.optim_cfg
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        groups = param_groups(self.model, o.weight_decay, o.lr)
-        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                fused=fused_adamw([p for g in groups for p in g["params"]], precision))
+        opt = build_optimizer(self.model, self.optim_cfg, precision)  # optim.name: adamw | muon (training/optimizers.py)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 

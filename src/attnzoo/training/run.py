@@ -27,6 +27,7 @@ from attnzoo.training.console import ConsoleLog
 from attnzoo.training.launch import check_launchable, launch_workers, processes_to_launch, warm_workers
 from attnzoo.training.linearize import apply_linearize
 from attnzoo.training.measure import final_metrics
+from attnzoo.training.recipe_checks import run_checkpoint
 from attnzoo.training.rundir import run_dir_lock
 from attnzoo.training.summary import finish, run_summary
 from attnzoo.training.trainer import build_loggers, build_trainer, fit, is_rank_zero
@@ -89,7 +90,7 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     run = parts["run"]
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
-    ckpt_path, ckpt = resolve_ckpt(run.ckpt_path, out)
+    ckpt_path, ckpt = resolve_ckpt(run_checkpoint(run), out)  # a resume, or a cooldown's branch point
     L.seed_everything(run.seed, workers=True, verbose=False)
     n_workers = processes_to_launch(run.trainer)
     if n_workers:  # the workers' fork server imports the training stack while the data is prepared here

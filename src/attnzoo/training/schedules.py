@@ -14,6 +14,11 @@ def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
     noam:     d_model^-0.5 * min(s^-0.5, s * warmup^-1.5) (Vaswani et al. 2017), rescaled so the peak
               (at s = warmup) is 1: then optim.lr is the peak learning rate.
     constant: warmup then 1.
+    wsd:      warmup-stable-decay (MiniCPM, Hu et al. 2024; Hägele et al. 2024, arXiv:2405.18392): warmup, 1 until
+              the decay starts at max_steps - D (D = decay_steps, or round(decay_fraction * max_steps)), then down to
+              min_lr_ratio over the last D steps in `decay_shape` (linear, cosine, or 1-sqrt, the paper's best). The
+              steps before the decay do not depend on max_steps: a run branched from a stable run's checkpoint with
+              its own shorter decay continues that run exactly (a cooldown, docs/recipes.md).
     """
     w = max(1, sched.warmup_steps)
 
@@ -30,7 +35,30 @@ def lr_lambda(sched: SchedulerConfig, max_steps: int, d_model: int):
     def constant(s: int) -> float:
         return min(1.0, (s + 1) / w)
 
-    return {"cosine": cosine, "noam": noam, "constant": constant}[sched.name]
+    def wsd(s: int) -> float:
+        start = max_steps - decay_steps(sched, max_steps)
+        if s < start:
+            return constant(s)
+        x = min(1.0, (s - start + 1) / max(1, max_steps - start))  # 1/D at the decay's first step, 1 at the last
+        return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * DECAY_SHAPES[sched.decay_shape](x)
+
+    return {"cosine": cosine, "noam": noam, "constant": constant, "wsd": wsd}[sched.name]
+
+
+# the cooldown's shape: the fraction of the way from the peak to the floor left at progress x in [0, 1]
+# (Hägele et al. 2024, Fig. 3: 1-sqrt beats linear; cosine as the long-run schedule's own)
+DECAY_SHAPES = {
+    "linear": lambda x: 1.0 - x,
+    "cosine": lambda x: 0.5 * (1.0 + math.cos(math.pi * x)),
+    "1-sqrt": lambda x: 1.0 - math.sqrt(x),
+}
+
+
+def decay_steps(sched: SchedulerConfig, max_steps: int) -> int:
+    """scheduler=wsd: the steps of the final decay in a run of `max_steps`."""
+    if sched.decay_steps is not None:
+        return int(sched.decay_steps)
+    return int(round(sched.decay_fraction * max_steps))
 
 
 def schedule_digest(multiplier, steps: int) -> str:

@@ -85,6 +85,16 @@ def spent(length: dict | None) -> str:
     return f"   ({length['limit']}: {length['tokens']:,} tokens, {length['flops']:.3g} FLOPs)"
 
 
+def checkpoint_disk(out: Path) -> dict:
+    """What the run's checkpoints/ holds on disk: bytes (every file once, a sharded checkpoint's folder counted
+    through its link once) and the steps of the step checkpoints kept."""
+    from attnzoo.distributed.checkpoint_files import kept_steps
+
+    folder = out / "checkpoints"
+    files = {p.resolve() for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+    return {"bytes": sum(p.stat().st_size for p in files), "steps_kept": kept_steps(out)}
+
+
 def format_summary(summary: dict) -> str:
     """The block a run prints at its end (between two rules of `=`), from its summary.json content."""
     m = summary["metrics"]
@@ -128,6 +138,16 @@ def format_summary(summary: dict) -> str:
         lines.insert(-1, f"  linearize  layers {lin['layers']} -> {','.join(sorted(set(lin['mixers'])))} (copied "
                          f"{'/'.join(copied) or 'nothing'}); {lin['stage1_steps']} + {lin['stage2_steps']} steps; val "
                          f"loss {g('val/loss')} vs teacher {g('val/loss_teacher')}")
+    disk = summary.get("checkpoints")
+    if disk and disk["bytes"]:
+        kept = disk["steps_kept"]
+        lines.insert(-1, f"  ckpt disk  {disk['bytes'] / 2**20:,.1f} MiB in checkpoints/" + (
+            f" ({len(kept)} step checkpoints: {', '.join(map(str, kept[:6]))}{' ...' if len(kept) > 6 else ''})"
+            if kept else ""))
+    prof = summary.get("profile")
+    if prof:  # perf.profile: the window's costliest ops (per step), the trace beside them
+        top = ", ".join(f"{op['name']} {op['self_ms_per_step']:.1f}" for op in prof["top_ops"][:3])
+        lines.insert(-1, f"  profile    steps {prof['steps'][0]}-{prof['steps'][1] - 1}: {top} ms/step; {prof['trace']}")
     if summary.get("sample"):
         lines += ["  sample     " + repr(summary["sample"])[:400]]
     lines.append("=" * 72)
@@ -175,6 +195,8 @@ def run_summary(trainer, lit, dm, parts, metrics, throughput, family, container,
         **kv_quant_section(run, model, data_cfg.seq_len),
         **({"length": parts["length"].summary(run.trainer.max_tokens, run.trainer.max_flops)}
            if parts.get("length") else {}),
+        **next((cb.summary_section() for cb in trainer.callbacks if hasattr(cb, "summary_section")), {}),  # profile
+        "checkpoints": checkpoint_disk(out),  # disk use, and the step checkpoints kept (callbacks.step_checkpoints)
         "seed": run.seed,
         "world_size": trainer.world_size,
         "sample": sample,

@@ -10,10 +10,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from attnzoo.data.sampling import DataPositionCallback
+from attnzoo.distributed.checkpoint_files import STEP_PREFIX
 from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
 from attnzoo.ops.dispatch import run_compute_dtype
 from attnzoo.training.build import run_device_type
@@ -21,6 +22,7 @@ from attnzoo.training.checkpoint_io import AtomicCheckpointIO
 from attnzoo.training.console import RunHeader, RunProgressBar, quiet_lightning
 from attnzoo.training.fsdp import FSDPStrategy
 from attnzoo.training.launch import global_rank
+from attnzoo.training.profiling import ProfileWindow
 from attnzoo.training.csv_logger import ResumableCSVLogger, RowBeforeCheckpoint, RunTensorBoardLogger
 from attnzoo.training.summary import describe_model
 from attnzoo.training.wandb_logger import make_wandb_logger  # imports wandb only when a run asks for it
@@ -100,6 +102,14 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         RunCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=ckpt_every,
                       enable_version_counter=False),
     ]
+    if cb_cfg.get("step_checkpoints"):  # checkpoints/step-<N>.ckpt kept every ckpt_every steps, the newest k of them
+        keep = cb_cfg.get("keep_latest")
+        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", filename=STEP_PREFIX + "{step:08d}",
+                                         monitor="step", mode="max", save_top_k=-1 if keep is None else int(keep),
+                                         every_n_train_steps=ckpt_every, auto_insert_metric_name=False,
+                                         enable_version_counter=False))
+    if run.perf.profile and global_rank() == 0:  # a torch.profiler trace of a window of steps (training/profiling.py)
+        callbacks.append(ProfileWindow(out, run.perf.profile_wait, run.perf.profile_steps))
     monitor = cb_cfg.get("monitor") or "val/loss"
     if cb_cfg.get("save_best", True):
         callbacks.append(

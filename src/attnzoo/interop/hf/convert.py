@@ -173,8 +173,11 @@ def _use_model_tokenizer(cfg, path: Path, vocab_size: int, given: list) -> None:
     embedding), unless the command line chose data.tokenizer. A file tokenizers cannot read is refused."""
     from omegaconf import OmegaConf
 
-    if OmegaConf.select(cfg, "data.name") == "shards":  # a prepared corpus: its ids must be the model's
-        _check_prepared_tokenizer(OmegaConf.select(cfg, "data.path"), path)
+    if OmegaConf.select(cfg, "data.name") == "shards":  # prepared corpora (a mixture's each): their ids are the model's
+        mixture = OmegaConf.select(cfg, "data.mixture") or {}
+        for field, prepared in [("data.path", OmegaConf.select(cfg, "data.path")),
+                                *((f"data.mixture.{k}.path", v.get("path")) for k, v in mixture.items())]:
+            _check_prepared_tokenizer(prepared, path, field)
         if OmegaConf.select(cfg, "data.vocab_size") is None:
             cfg.data.vocab_size = vocab_size  # the embedding rows: the imported model's
         return
@@ -191,7 +194,7 @@ def _use_model_tokenizer(cfg, path: Path, vocab_size: int, given: list) -> None:
     cfg.data.tokenizer, cfg.data.tokenizer_file, cfg.data.vocab_size = "file", str(path / "tokenizer.json"), vocab_size
 
 
-def _check_prepared_tokenizer(prepared: Optional[str], path: Path) -> None:
+def _check_prepared_tokenizer(prepared: Optional[str], path: Path, field: str = "data.path") -> None:
     """data=shards with model.init_from: the corpus must have been prepared with the model's own tokenizer
     (`attnzoo-data prepare SRC OUT --tokenizer-model DIR`), else its ids index other embedding rows."""
     from tokenizers import Tokenizer
@@ -202,7 +205,7 @@ def _check_prepared_tokenizer(prepared: Optional[str], path: Path) -> None:
     if Tokenizer.from_file(str(ours)).to_str() != Tokenizer.from_file(str(path / "tokenizer.json")).to_str():
         raise ConfigError(f"{prepared} was prepared with another tokenizer than {path}/tokenizer.json, so its ids "
                           f"are not the model's; allowed: a corpus prepared with `attnzoo-data prepare SRC OUT "
-                          f"--tokenizer-model {path}`", field="data.path")
+                          f"--tokenizer-model {path}`", field=field)
 
 
 def _agrees(section: dict, derived: dict, ignore: tuple = ()) -> bool:
