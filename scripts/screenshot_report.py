@@ -94,16 +94,18 @@ def _write_curves(job: Path, acc: float, last: int, rng: random.Random) -> None:
     (job / "csv" / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
-def chromium() -> str:
+def chromium() -> list[str]:
+    """The browser and its flags: headless, offline (no update, sync or background requests: the page is local)."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
-            return path
+            return [path, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run"]
     sys.exit("screenshot_report: no chromium on PATH (apt-get install -y chromium)")
 
 
 def screenshot(html: Path, out: Path, width: int = 1400, height: int = 8000, wait_ms: int = 10000) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={width},{height}",
+    cmd = [*chromium(), "--hide-scrollbars", f"--window-size={width},{height}",
            f"--virtual-time-budget={wait_ms}", f"--screenshot={out.resolve()}", html.resolve().as_uri()]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if r.returncode != 0 or not out.is_file():
@@ -137,7 +139,7 @@ def check_menus(html: Path, jobs: list[dict]) -> list[str]:
 
     probe = html.with_name("probe.html")
     probe.write_text(html.read_text().replace("</body>", PROBE))
-    r = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+    r = subprocess.run([*chromium(), "--virtual-time-budget=10000",
                         "--dump-dom", probe.resolve().as_uri()], capture_output=True, text=True, timeout=180)
     m = re.search(r'<pre id="probe">(.*?)</pre>', r.stdout, re.S)
     if not m:

@@ -5,6 +5,7 @@ and every bad input refused in one line before any work (rows of docs/reliabilit
 scripts/bad_input_table.py EXTRA)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,9 +72,16 @@ def tokenizer_file(tmp_path_factory) -> Path:
 def test_prepare_contract(tmp_path, capsys):
     docs = make_corpus(tmp_path / "src")
     main(["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--vocab-size", "300", "--val-fraction", "0.2",
-          "--seed", "3", "--unit-bytes", "2048"])
-    out = capsys.readouterr().out
-    assert "tokens/s" in out and "peak RSS" in out
+          "--seed", "3", "--unit-bytes", "2048", "--progress-every", "0"])
+    cap = capsys.readouterr()
+    assert "tokens/s" in cap.out and "peak RSS" in cap.out
+    # stderr is not a terminal here (a log): every long step prints progress lines with rate and ETA, the BPE's
+    # own stages included (issue 47 item 7; --progress-every 0: a line at every update, no waiting)
+    for step in ("sampling the source", "training BPE: reading the text", "training BPE: compute merges",
+                 "tokenizing"):
+        lines = [x for x in cap.err.splitlines() if x.startswith(f"attnzoo-data: {step}: ")]
+        assert any(re.search(r" of .* \(\d+%\), .*/s, ETA ", x) for x in lines), (step, cap.err)
+        assert re.fullmatch(r".*: done, .* in \d+ s \(.*/s\)", lines[-1]), lines[-1]
     m = read_manifest(tmp_path / "out")
     from tokenizers import Tokenizer
 
@@ -105,6 +113,26 @@ def test_prepare_contract(tmp_path, capsys):
     main(["prepare", str(src), str(tmp_path / "out"), "--vocab-size", "300", "--val-fraction", "0.2", "--seed", "3"])
     assert "nothing to do" in capsys.readouterr().out
     assert (tmp_path / "out" / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_progress_in_a_log_is_a_line_every_interval_with_rate_and_eta():
+    """Issue 47 item 7: where stderr is not a terminal (a log, a pipe) a long step prints a line when it starts,
+    one every `every` seconds with its rate and ETA, and one when it ends (the clock is injected: no waiting)."""
+    import io
+
+    from attnzoo.data.prepare_tokens import Progress
+
+    now, log = [0.0], io.StringIO()
+    progress = Progress("attnzoo-data: tokenizing", 100e6, "B", every=10, stream=log, clock=lambda: now[0])
+    for now[0], done in ((4, 10e6), (10, 25e6), (15, 40e6), (20, 50e6), (30, 100e6)):
+        progress.update(done)
+    progress.close()
+    assert log.getvalue().splitlines() == [
+        "attnzoo-data: tokenizing: 100 MB to go",
+        "attnzoo-data: tokenizing: 25 MB of 100 MB (25%), 2.5 MB/s, ETA 30 s",
+        "attnzoo-data: tokenizing: 50 MB of 100 MB (50%), 2.5 MB/s, ETA 20 s",
+        "attnzoo-data: tokenizing: 100 MB of 100 MB (100%), 3.33 MB/s, ETA 0 s",
+        "attnzoo-data: tokenizing: done, 100 MB in 30 s (3.33 MB/s)"]
 
 
 def _write_sources(tmp_path: Path, docs: list[str]) -> dict:

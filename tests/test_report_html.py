@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 
+import matplotlib.pyplot as plt
 import pytest
 from plotly.offline import get_plotlyjs
 
@@ -109,7 +110,7 @@ def test_sort_menu_orders_every_column_of_every_view(lengths_sweep, seeded):
     for _, _, figs in (lengths_sweep, seeded):
         for name, fig in tables(figs).items():
             views, (sorts, shows) = fig["data"], fig["layout"]["updatemenus"]
-            head = [re.sub(r"</?b>", "", h) for h in views[0]["header"]["values"]]
+            head = [re.sub(r"</?b>|<br>", "", h) for h in views[0]["header"]["values"]]
             assert len(shows["buttons"]) == len(views) and sorts["buttons"][0]["label"] == "as listed"
             for button in sorts["buttons"][1:]:
                 update, traces = button["args"]
@@ -137,7 +138,7 @@ def test_show_menu_keeps_the_rows_of_one_swept_value(seeded):
         rows = rows_of(views[i])
         assert len(rows) == int(n)
         if "=" in value:
-            assert all(value in r[1].split() for r in rows), value  # the overrides column
+            assert all(value in re.split(r" |<br>", r[1]) for r in rows), value  # the overrides column
 
 
 def test_plotly_js_is_embedded_once_and_nothing_is_fetched(seeded):
@@ -221,7 +222,9 @@ def test_degenerate_columns_are_not_plotted(tmp_path):
     write_job(d / "0", ["model.n_kv_heads=1"], {"val/loss": 2.0, "cache/bytes_per_token": 512.0, "perf/tokens_per_sec": 1.0})
     rep, page, figs = built(d)
     assert rep["charts"] == [] and not any(k.startswith("chart-") for k in figs) and "<img" not in page
-    assert {"table-best", "table-all"} <= set(figs)  # the tables still show the one job
+    assert "table-all" in figs  # the table still shows the one job
+    # nothing swept but the job itself: no best-of-lr table (issue 47), in the page or in report.md
+    assert "table-best" not in figs and "Best learning rate" not in page + (d / "report.md").read_text()
 
 
 def test_legend_is_titled_by_the_swept_key_and_panels_share_y(tmp_path, seeded):
@@ -232,20 +235,98 @@ def test_legend_is_titled_by_the_swept_key_and_panels_share_y(tmp_path, seeded):
         fig = draw(chart)
         if chart.kind != "bar":
             assert fig.legends[0].get_title().get_text() == "model/mixer"
-    d = tmp_path / "kv"  # the swept key is not the mixer: n_kv_heads is the colour, pairs the panels
-    for n, (kv, pairs) in enumerate([(1, 4), (2, 4), (1, 8), (2, 8)]):
-        write_job(d / str(n), [f"model.n_kv_heads={kv}", f"data.num_kv_pairs={pairs}"],
-                  {"val/loss": 2.0 + n / 7 - kv / 5, "cache/bytes_per_token": 256.0 * kv}, [(0, 4.0), (5, 3.5), (10, 3.0 - n / 10)])
+    # the swept key is not the mixer: rope_theta is the colour, pairs the panels; the values as the sweep writes
+    # them (Hydra records 1e4 as 10000.0; issue 47: a legend read 'max_flops=2000000000000.0')
+    d = tmp_path / "theta"
+    for n, (theta, pairs) in enumerate([("10000.0", 4), ("500000.0", 4), ("10000.0", 8), ("500000.0", 8)]):
+        write_job(d / str(n), [f"model.rope_theta={theta}", f"data.num_kv_pairs={pairs}"],
+                  {"val/loss": 2.0 + n / 7 - n % 2 / 5, "cache/bytes_per_token": 256.0 * (1 + n % 2)},
+                  [(0, 4.0), (5, 3.5), (10, 3.0 - n / 10)])
     rep, _, figs = built(d)
     (curves,) = [c for c in rep["charts"] if c.name == "curves"]
     assert [p.title for p in curves.panels] == ["num_kv_pairs=4", "num_kv_pairs=8"]
     for chart in rep["charts"]:
         layout = figs[f"chart-{chart.name}"]["layout"]
-        assert layout["legend"]["title"]["text"] == "model.n_kv_heads"
+        assert layout["legend"]["title"]["text"] == "model.rope_theta"
+        assert {t["name"] for t in figs[f"chart-{chart.name}"]["data"]} == {"rope_theta=1e4", "rope_theta=5e5"}
         assert layout["yaxis2"]["matches"] == "y"  # one y axis: the panels compare
         axes = draw(chart).axes
-        assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])
-        assert draw(chart).legends[0].get_title().get_text() == "model.n_kv_heads"
+        assert axes[0].get_shared_y_axes().joined(axes[0], axes[1]) and axes[0].get_ylim() == axes[1].get_ylim()
+        fig = draw(chart)
+        assert fig.legends[0].get_title().get_text() == "model.rope_theta"
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == ["rope_theta=1e4", "rope_theta=5e5"]
+
+
+NOTATION = {"plain": r"-?[\d,]+(\.\d+)?", "si": r"[\d.]+[kMGT]?", "bytes": r"[\d.]+(Ki|Mi|Gi|Ti)?", "sci": r"[\d.]+e-?\d+"}
+
+
+def axis_labels(layout: dict, name: str) -> tuple[list[str], str]:
+    """(the tick labels written out on an axis, else its d3 tick format)."""
+    axis = layout[name]
+    assert axis.get("showticklabels", True) or name.startswith("yaxis") and axis.get("matches") == "y", name
+    return list(axis.get("ticktext") or []), axis.get("tickformat", "")
+
+
+def test_every_axis_has_tick_labels_in_one_notation(seeded, lengths_sweep):
+    """Issue 47 item 6: the page's charts label both axes of every panel (a log axis' ticks written out, inside
+    its data; a linear one by a d3 format), each axis in one notation (no '60,256' beside '463.25Ki'); the PNGs
+    too."""
+    for rep, _, figs in (seeded, lengths_sweep):
+        for chart in rep["charts"]:
+            layout = figs[f"chart-{chart.name}"]["layout"]
+            for name in [k for k in layout if re.fullmatch(r"[xy]axis\d*", k)]:
+                if chart.kind == "bar" and name == "yaxis":  # a bar's label: its variant
+                    assert layout[name]["categoryarray"] and layout[name]["showticklabels"]
+                    continue
+                texts, tickformat = axis_labels(layout, name)
+                log = layout[name].get("type") == "log"
+                assert bool(texts) == log and (log or tickformat), (chart.name, name)
+                notation = chart.xfmt if name.startswith("x") else chart.yfmt
+                assert all(re.fullmatch(NOTATION[notation], t) for t in texts), (chart.name, name, texts)
+                values = [v for t in figs[f"chart-{chart.name}"]["data"] for v in t[name[0]] if isinstance(v, float | int)]
+                assert all(min(values) <= v <= max(values) for v in layout[name].get("tickvals", [])), (chart.name, name)
+            fig = draw(chart)
+            for ax in fig.axes:
+                for axis, notation in ((ax.xaxis, chart.xfmt), (ax.yaxis, chart.yfmt)):
+                    lo, hi = sorted(axis.get_view_interval())
+                    locs = [v for v in axis.get_majorticklocs() if lo <= v <= hi]
+                    labels = [t for t in axis.get_major_formatter().format_ticks(locs) if t] if axis.get_visible() \
+                        and (axis is ax.xaxis or ax.get_subplotspec().is_first_col()) else []
+                    assert labels or axis is ax.yaxis and ax is not fig.axes[0], (chart.name, labels)
+                    if chart.kind != "bar" or axis is ax.xaxis:
+                        assert all(re.fullmatch(NOTATION[notation], t.replace("\u2212", "-")) for t in labels), labels
+            plt.close(fig)
+    (rvs,) = [c for c in seeded[0]["charts"] if c.name == "recall_vs_state"]
+    assert rvs.xfmt == "bytes" and seeded[2]["chart-recall_vs_state"]["layout"]["xaxis"]["ticktext"] == ["8.5Ki", "9Ki", "64Ki"]
+
+
+def test_tables_show_every_header_and_row_whole(seeded, lengths_sweep):
+    """Issue 47 item 6: no header clipped ('statu', 'perf/tokens_per_se'), no row behind a scrollbar inside the
+    table. Plotly wraps a cell only at spaces and clips the rest, and scrolls a table taller than its figure; so
+    every line of every header and cell fits its column (by the width estimate the columns are sized with), the
+    figure is exactly as wide as its columns (the page shows it at that width and scrolls, not the table) and at
+    least as tall as its rows: in Chromium a row of n lines draws 15.5 n + 15 px, one of single lines 24 px, 30
+    with markup (a header) (measured)."""
+    from attnzoo.analysis.report.datatable import PAD_PX, text_px
+
+    for _, page, figs in (seeded, lengths_sweep):
+        for name, fig in tables(figs).items():
+            trace, layout = fig["data"][0], fig["layout"]
+            widths, margin = trace["columnwidth"], layout["margin"]
+            assert layout["width"] == round(sum(widths) + margin["l"] + margin["r"])
+            assert re.search(f'<div style="height:{layout["height"]}px; width:{layout["width"]}px;">\\s*<div id="{name}"', page)
+            head = [h.split("<br>") for h in trace["header"]["values"]]
+            cells = [[c.split("<br>") for c in col] for col in trace["cells"]["values"]]
+            for c, width in enumerate(widths):
+                for line in head[c]:
+                    assert text_px(re.sub(r"</?b>", "", line), bold=True) + 2 * PAD_PX <= width, (name, line)
+                for lines in cells[c]:
+                    assert all(text_px(x.replace("&amp;", "&")) + 2 * PAD_PX <= width for x in lines), (name, lines)
+            rows = [[col[r] for col in cells] for r in range(len(cells[0]))]
+            need = sum(24 if all(len(c) == 1 and not re.search("[&<]", c[0]) for c in row)
+                       else 15.5 * max(map(len, row)) + 15 for row in [head, *rows])
+            assert layout["height"] >= margin["t"] + margin["b"] + need, name
+    assert re.search(r"<b>perf/</b><br><b>tokens_per_sec</b>", json.dumps(seeded[2]["table-all"]["data"][0]["header"]))
 
 
 def _round(ticks) -> bool:

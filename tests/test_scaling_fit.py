@@ -2,12 +2,13 @@
 bootstrap intervals from noisy ones, and the iso-FLOP procedure applied to Hoffmann et al. (2022)'s parametric
 loss recovers the N_opt exponent that law implies."""
 import math
+import re
 
 import numpy as np
 import pytest
 
-from attnzoo.analysis.scaling import (PowerLaw, compute_multipliers, fit_exponent, fit_power_law, fit_profile,
-                                      fit_scaling)
+from attnzoo.analysis.scaling import (Exponent, PowerLaw, ScalingFit, compute_multipliers, fit_exponent,
+                                      fit_power_law, fit_profile, fit_scaling)
 
 # float64 least squares: a fitted parameter is exact up to the flatness of the squared error at its minimum,
 # i.e. relative ~sqrt(machine epsilon) ~ 1e-8; 1e-6 leaves room for the conditioning of the sums
@@ -154,9 +155,51 @@ def test_compute_multiplier_is_the_inverse_frontier_ratio():
     better = [r for r in rows if r.mixer == "better"]
     assert [r.value for r in better] == pytest.approx([0.8 ** (1 / ALPHA)] * len(BUDGETS), rel=EXACT)
     assert better[0].extrapolated and not better[-1].extrapolated  # 0.23 x 1e11 is below its budgets
+    assert better[0].problem.startswith("the compute it needs") and not better[-1].problem  # not a result outside
     assert all(r.value == math.inf for r in rows if r.mixer == "floor")
     assert compute_multipliers({"x": fit_scaling([1, 2], [1, 1], [3, 3])}, "x") == []
     assert PowerLaw(2.0, 1.0, 0.5).inverse(2.0) == math.inf
+
+
+def test_a_fit_outside_its_physical_range_does_not_hold_and_says_why():
+    """Issue 47 item 6: a fit is a result only inside its physical range; each kind of fit says why not."""
+    sizes = [1e4, 3e4, 1e5]
+    inside, outside = fit_profile(1e12, sizes, [3.2, 3.0, 3.3]), fit_profile(1e12, sizes, [3.0, 3.2, 3.5])
+    opens_down = fit_profile(1e12, sizes, [3.0, 3.3, 3.1])
+    assert inside.problem == "" and outside.n_opt < 1e4 and opens_down.n_opt is None
+    assert outside.problem == f"its minimum N = {outside.n_opt:,.0f} lies outside the sizes run (10,000-100,000)"
+    assert opens_down.problem == "no minimum (the parabola opens downward)"
+
+    def fit(frontier=PowerLaw(1.8, 50.0, 0.2), law=Exponent(0.1, 0.5), **intervals):
+        return ScalingFit([], frontier, law, intervals=intervals)
+
+    assert fit(E=(1.7, 1.9), A=(40.0, 60.0), alpha=(0.15, 0.25), a=(0.4, 0.6)).frontier_problem == ""
+    assert fit().n_opt_problem == ""
+    assert fit(PowerLaw(-0.5, 50.0, 0.2)).frontier_problem == "E = -0.5 < 0: a loss has no negative floor"
+    assert fit(PowerLaw(1.8, 50.0, 3.0)).frontier_problem.startswith("alpha = 3 is at the end of its search range")
+    assert fit(E=(-446.0, 2.566)).frontier_problem == "its 95% interval [-446, 2.566] is wider than E = 1.8"
+    assert fit(A=(43.0, 2.1e8)).frontier_problem == "its 95% interval [43, 2.1e+08] is wider than A = 50"
+    assert fit(law=Exponent(0.1, 1.07)).n_opt_problem.startswith("a = 1.07 lies outside (0, 1)")
+    assert fit(a=(0.25, 0.875)).n_opt_problem == "its 95% interval [0.25, 0.875] is wider than a = 0.5"
+    assert fit(None, None).frontier_problem == fit(None, None).n_opt_problem == ""  # no fit: nothing to judge
+    # the report: no value of a fit that does not hold, its status cell says why; its curve drawn dashed
+    from attnzoo.analysis.report.scaling import Study, charts, tables
+
+    good = fit_scaling(*synthetic(), n_boot=0)
+    bad = ScalingFit([outside, *good.profiles[1:]], PowerLaw(-0.5, 50.0, 0.2), Exponent(0.1, 1.07))
+    study = Study({"bad": bad, "good": good}, {}, "good", compute_multipliers({"bad": bad, "good": good}, "good"))
+    (laws, _, head, rows), (minima, _, mhead, mrows), _ = tables(study)
+    row = dict(zip(head, rows[0]))
+    assert row["E"] == row["A"] == row["alpha"] == row["a (N_opt ~ C^a)"] == ("", None)
+    assert row["L_opt(C) law"][0] == "does not hold: E = -0.5 < 0: a loss has no negative floor"
+    assert row["N_opt(C) law"][0].startswith("does not hold: a = 1.07")
+    assert dict(zip(head, rows[1]))["L_opt(C) law"] == ("holds", None)
+    first = dict(zip(mhead, mrows[0]))
+    assert first["N_opt"] == first["L_opt"] == ("", None) and first["minimum"][0] == f"does not hold: {outside.problem}"
+    styles = {c.name: {(s.name, s.style) for p in c.panels for s in p.series if s.style in ("fit", "void")}
+              for c in charts(study)}
+    assert styles["frontier"] == styles["n_opt"] == {("bad", "void"), ("good", "fit")}
+    assert ("C=1e12", "void") in styles["isoflop"]
 
 
 # ----------------------------------------------------------------------------- the report's scaling section
@@ -193,8 +236,8 @@ def test_the_report_shows_the_fits_of_a_budget_sweep(tmp_path):
     rep = build_report(d)
     study = rep["scaling"]
     assert list(study.fits) == ["gdn", "gqa"] and study.baseline == "gqa"
-    assert study.left_out == [f"job {len(BUDGETS) * len(LADDER) * 2} (trainer.max_flops={BUDGETS[0]} model.pattern=[gqa] "
-                              "model.n_layers=2): stopped by trainer.max_steps before its budget"]
+    assert study.left_out == [f"job {len(BUDGETS) * len(LADDER) * 2} (trainer.max_flops=1e11 model.pattern=[gqa] "
+                              "model.n_layers=2): stopped by trainer.max_steps before its budget"]  # as written
     for mixer, a_coef in (("gqa", A), ("gdn", 0.8 * A)):
         fit = study.fits[mixer]
         assert (fit.frontier.E, fit.frontier.A, fit.frontier.alpha) == pytest.approx((E, a_coef, ALPHA), rel=EXACT)
@@ -206,7 +249,7 @@ def test_the_report_shows_the_fits_of_a_budget_sweep(tmp_path):
     assert f"| gqa | {len(BUDGETS)} / {len(BUDGETS)} | {E:.4g} [" in section and f"{ALPHA:.4g} [" in section
     mult = [r for r in study.multipliers if r.mixer == "gdn"]
     assert [r.value for r in mult] == pytest.approx([0.8 ** (1 / ALPHA)] * len(BUDGETS), rel=EXACT)
-    assert f"| gdn | {BUDGETS[-1]:.3g} | " in section and f"{0.8 ** (1 / ALPHA):.4g}" in section
+    assert "| gdn | 1e13 | " in section and f"{0.8 ** (1 / ALPHA):.4g}" in section
     # the charts: points and fitted lines on log axes, as PNGs and Plotly figures; no per-job cache / tokens/s charts
     assert {"isoflop.png", "frontier.png", "n_opt.png"} <= {p.name for p in (d / "plots").iterdir()}
     assert not (d / "plots" / "acc_vs_cache.png").exists() and not (d / "plots" / "tokens_per_sec.png").exists()
@@ -214,6 +257,12 @@ def test_the_report_shows_the_fits_of_a_budget_sweep(tmp_path):
     iso = figs["chart-isoflop"]
     assert iso["layout"]["xaxis"]["type"] == "log" and {t["mode"] for t in iso["data"]} == {"markers", "lines"}
     assert figs["chart-n_opt"]["layout"]["yaxis"]["type"] == "log"
+    # tick labels on both log axes, each in one notation: parameters SI (10k, 1M; not '60,256' beside '463.25Ki'),
+    # FLOPs scientific (1e11)
+    for chart, axis, notation in (("isoflop", "xaxis", r"[\d.]+[kM]"), ("n_opt", "yaxis", r"[\d.]+[kM]"),
+                                  ("n_opt", "xaxis", r"[\d.]+e\d+"), ("frontier", "xaxis", r"[\d.]+e\d+")):
+        texts = figs[f"chart-{chart}"]["layout"][axis]["ticktext"]
+        assert len(texts) >= 2 and all(re.fullmatch(notation, t) for t in texts), (chart, axis, texts)
     fitted = [t for t in figs["chart-frontier"]["data"] if t["mode"] == "lines" and t["name"] == "gqa"]
     assert fitted and np.allclose(fitted[0]["y"], study.fits["gqa"].frontier(np.array(fitted[0]["x"])))
     assert {"table-scaling-0", "table-scaling-1", "table-scaling-2"} <= set(figs)

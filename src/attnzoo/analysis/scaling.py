@@ -22,6 +22,13 @@ Input: one point per finished run, (N parameters, C its training-FLOP budget, L 
   compute multiplier the compute a mixer needs to reach the baseline's frontier loss at budget C, over C:
                      L_m^-1(L_b(C)) / C (1: equal; 2: needs twice the compute; inf: its fitted floor E is above
                      that loss). Its interval pairs the two mixers' bootstrap replicates.
+  does it hold       a fit whose parameters leave their physical range is not a result, and each says why
+                     (`Profile.problem`, `ScalingFit.frontier_problem` / `n_opt_problem`, `Multiplier.problem`;
+                     "" when it holds): a parabola without a minimum, or with it outside the sizes run; a frontier
+                     with a negative floor E (a loss has none), alpha at the end of its search range, or a parameter
+                     whose interval is wider than its value; an N_opt law with a outside (0, 1) (N_opt and D_opt =
+                     C / 6 N_opt must both grow with compute) or a wider than its interval; a multiplier outside the
+                     mixer's budgets, or wider than its interval.
 """
 from __future__ import annotations
 
@@ -51,6 +58,16 @@ class Profile:
     @property
     def usable(self) -> bool:
         return self.n_opt is not None and self.inside
+
+    @property
+    def problem(self) -> str:
+        """Why its minimum is not a result ('' when it is)."""
+        if self.n_opt is None:
+            return "no minimum (the parabola opens downward)"
+        if not self.inside:
+            n = f"{self.n_opt:,.0f}" if self.n_opt >= 100 else f"{self.n_opt:.3g}"
+            return f"its minimum N = {n} lies outside the sizes run ({min(self.n):,.0f}-{max(self.n):,.0f})"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -88,10 +105,40 @@ class ScalingFit:
     boot_n_opt: list[Exponent] = field(default_factory=list)
     boot_dropped: int = 0  # replicates without enough minima for the laws
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # E, A, alpha, a, k
+    level: float = 0.95  # the intervals' coverage
 
     @property
     def budgets(self) -> list[float]:
         return [p.budget for p in self.profiles]
+
+    @property
+    def frontier_problem(self) -> str:
+        """Why L = E + A C^-alpha does not hold ('' when it does, or when there is no frontier)."""
+        f = self.frontier
+        if f is None:
+            return ""
+        if f.E < 0:
+            return f"E = {f.E:.3g} < 0: a loss has no negative floor"
+        if not ALPHA_RANGE[0] * 1.001 < f.alpha < ALPHA_RANGE[1] / 1.001:
+            return f"alpha = {f.alpha:.3g} is at the end of its search range {list(ALPHA_RANGE)}"
+        return self._wider_than_interval((("E", f.E), ("A", f.A), ("alpha", f.alpha)))
+
+    @property
+    def n_opt_problem(self) -> str:
+        """Why N_opt = k C^a does not hold ('' when it does, or when there is no law)."""
+        e = self.n_opt_law
+        if e is None:
+            return ""
+        if not 0 < e.a < 1:
+            return f"a = {e.a:.3g} lies outside (0, 1): N_opt and D_opt ~ C^(1 - a) must both grow with compute"
+        return self._wider_than_interval((("a", e.a),))
+
+    def _wider_than_interval(self, values) -> str:
+        for name, v in values:
+            lo, hi = self.intervals.get(name, (v, v))
+            if hi - lo > abs(v):
+                return f"its {self.level:.0%} interval [{lo:.4g}, {hi:.4g}] is wider than {name} = {v:.4g}"
+        return ""
 
 
 # ----------------------------------------------------------------------------- the three fits
@@ -180,7 +227,7 @@ def fit_scaling(n: Sequence[float], c: Sequence[float], loss: Sequence[float], n
     groups = _group(n, c, loss)
     profiles = [p for b, (ns, ls) in groups.items() if (p := fit_profile(b, ns, ls)) is not None]
     frontier, law = _laws(profiles)
-    fit = ScalingFit(profiles, frontier, law)
+    fit = ScalingFit(profiles, frontier, law, level=level)
     resid = np.concatenate([np.asarray(p.loss) - p.at(p.n) for p in profiles]) if profiles else np.zeros(0)
     dof = len(resid) - 3 * len(profiles)
     if n_boot <= 0 or dof <= 0 or frontier is None and law is None:
@@ -214,6 +261,12 @@ def fit_scaling(n: Sequence[float], c: Sequence[float], loss: Sequence[float], n
 # ----------------------------------------------------------------------------- across mixers
 
 
+def _sci(x: float) -> str:
+    """2.24e12, as FLOPs are written (not 2.24e+12)."""
+    mantissa, _, exp = f"{x:.3g}".partition("e")
+    return mantissa + (f"e{int(exp)}" if exp else "")
+
+
 @dataclass(frozen=True)
 class Multiplier:
     """The compute `mixer` needs to reach the baseline's frontier loss at `budget`, as a multiple of it."""
@@ -223,6 +276,7 @@ class Multiplier:
     value: float  # L_m^-1(target) / budget (inf: below the mixer's fitted floor)
     interval: Optional[tuple[float, float]]
     extrapolated: bool  # the compute it needs lies outside the mixer's own budgets
+    problem: str = ""  # why it is not a result ('' when it is)
 
 
 def compute_multipliers(fits: dict[str, ScalingFit], baseline: str, level: float = 0.95) -> list[Multiplier]:
@@ -246,6 +300,10 @@ def compute_multipliers(fits: dict[str, ScalingFit], baseline: str, level: float
                 interval = (float(np.percentile(draws, tails[0], method="lower")),
                             float(np.percentile(draws, tails[1], method="higher")))
             needed = value * budget  # within float rounding of the budgets run: not an extrapolation
-            out.append(Multiplier(name, budget, target, value, interval,
-                                  name != baseline and not lo_c * (1 - 1e-9) <= needed <= hi_c * (1 + 1e-9)))
+            outside = name != baseline and not lo_c * (1 - 1e-9) <= needed <= hi_c * (1 + 1e-9)
+            problem = ("" if value == math.inf else  # a floor above the target: a result (it never gets there)
+                       f"the compute it needs ({_sci(needed)}) lies outside its budgets ({_sci(lo_c)}-{_sci(hi_c)})"
+                       if outside else f"its {level:.0%} interval [{interval[0]:.4g}, {interval[1]:.4g}] is wider "
+                       f"than the value" if interval and interval[1] - interval[0] > value else "")
+            out.append(Multiplier(name, budget, target, value, interval, outside, problem))
     return out

@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--unit-bytes", type=int, default=d.unit_bytes, help="the resumable grain (bytes of source)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="litdata chunk size on disk")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--progress-every", type=float, metavar="SECONDS", default=None,
+                   help="where stderr is not a terminal (a log, a pipe), print each long step's progress (rate, ETA) "
+                   "every SECONDS (default: 10; a terminal shows a bar)")
     i = sub.add_parser("info", help="print a prepared folder's manifest")
     i.add_argument("out", metavar="OUT")
     return ap
@@ -52,8 +55,9 @@ def main(argv: Optional[list] = None) -> None:
             print(describe(read_prepared_folder(args.out, field="OUT")))
             return
         kind = args.tokenizer or ("file" if args.tokenizer_file else "model" if args.tokenizer_model else "bpe")
-        opts = {k: v for k, v in vars(args).items() if k not in ("command", "src", "out", "quiet")}
-        prepare(args.src, args.out, **{**opts, "tokenizer": kind, "progress": not args.quiet})
+        opts = {k: v for k, v in vars(args).items() if k not in ("command", "src", "out", "quiet", "progress_every")}
+        progress = False if args.quiet else True if args.progress_every is None else args.progress_every
+        prepare(args.src, args.out, **{**opts, "tokenizer": kind, "progress": progress})
     except ConfigError as e:
         print(f"attnzoo-data: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
@@ -36,8 +36,8 @@ from attnzoo.config.errors import ConfigError, check, check_choice
 from attnzoo.config.paths import follow_umask
 from attnzoo.data.sources import (ALLOWED_SRC, SUFFIXES, TXT_DOCS, check_file, documents, fingerprint_files,
                                   input_files, is_dataset_dir, is_val, open_dataset, plan_dataset_units, plan_units)
-from attnzoo.data.prepare_tokens import (EncodeUnits, dtype_for, eos_of, file_sha256, load_tokenizer,
-                                         tokenizer_source, train_bpe, vocab_size_of)
+from attnzoo.data.prepare_tokens import (EncodeUnits, dtype_for, eos_of, file_sha256, load_tokenizer, tokenizer_source,
+                                         tokenizing, train_bpe, vocab_size_of)
 from attnzoo.data.tokenizer import SPECIALS
 
 FORMAT, VERSION = "attnzoo-shards", 1
@@ -65,7 +65,9 @@ class PrepareOptions:
     num_workers: int = 2  # tokenizer processes
     unit_bytes: int = 64 << 20  # the resumable grain: large files are cut into units of about this many bytes
     chunk_bytes: int = 64 << 20  # litdata chunk size on disk
-    progress: bool = True
+    # progress of the long steps on stderr, with rate and ETA: True (a bar on a terminal, elsewhere a line every
+    # 10 s), seconds between those lines, or False (none)
+    progress: bool | float = True
 
     def validate(self) -> None:
         if self.tokenizer is None:
@@ -96,6 +98,8 @@ class PrepareOptions:
         check(self.num_workers >= 1, "--num-workers", f"got {self.num_workers}; allowed: >= 1")
         check(self.unit_bytes >= 1024, "--unit-bytes", f"got {self.unit_bytes}; allowed: >= 1024")
         check(self.chunk_bytes >= 1024, "--chunk-bytes", f"got {self.chunk_bytes}; allowed: >= 1024")
+        check(isinstance(self.progress, bool) or isinstance(self.progress, (int, float)) and self.progress >= 0,
+              "--progress-every", f"got {self.progress!r}; allowed: seconds >= 0")
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -202,7 +206,7 @@ def resolve_source(src: str, o: PrepareOptions) -> tuple[dict, list[dict]]:
         check_file(f, o.text_field)
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"{path}: every input file is empty; allowed: {ALLOWED_SRC}", field="SRC")
-    if skipped and o.progress:
+    if skipped and o.progress is not False:
         print(f"attnzoo-data: skipped {len(skipped)} files that are not {'/'.join(SUFFIXES)} "
               f"(e.g. {skipped[0].name})", file=sys.stderr)
     units = plan_units(path, files, o.unit_bytes, o.txt_docs)
@@ -328,7 +332,7 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
                               f"prepare (prepare it again)", field="OUT")
         _same(done["prepare"], settings, out)
         shutil.rmtree(work, ignore_errors=True)  # a kill after the manifest, before the clean-up
-        if o.progress:
+        if o.progress is not False:
             print(f"attnzoo-data: {out} is already prepared from this source; nothing to do")
         return done
     field = f"--tokenizer-{o.tokenizer}" if given else "--tokenizer"
@@ -346,14 +350,8 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
             dtype_for(vocab_size_of(tok))  # refused before any work
         work.mkdir(parents=True, exist_ok=True)
         held.enter_context(sole_writer(out, work))
-        t0 = time.time()
         if tok is None:
-            if o.progress:
-                print(f"attnzoo-data: training a {o.vocab_size}-token byte-level BPE on a sample of {src}",
-                      file=sys.stderr)
-            tok = train_bpe(units, o)
-            if o.progress:
-                print(f"attnzoo-data: BPE trained in {time.time() - t0:.1f} s", file=sys.stderr)
+            tok = train_bpe(units, o, str(src))
             (work / "tokenizer.json").write_text(tok.to_str())
         else:
             shutil.copyfile(given, work / "tokenizer.json")
@@ -377,7 +375,7 @@ def prepare(src: str | Path, out: str | Path, **options) -> dict:
             raise ConfigError(f"no space left writing {e.filename or out} ({e.strerror}); {done_parts} of "
                               f"{len(plan['parts'])} parts are finished and kept in {work}; allowed: free space, then "
                               f"the same command again to complete it", field="OUT") from None
-    if o.progress:
+    if o.progress is not False:
         n_tok = sum(s["tokens"] for s in manifest["splits"].values())
         secs = max(stats["seconds"], 1e-9)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -411,32 +409,27 @@ def sole_writer(out: Path, work: Path):
 
 def _run_parts(plan: dict, tok_path: str, work: Path, o: PrepareOptions, dtype: str, eos: int) -> dict:
     """Tokenize every part not yet finished; a part is complete when work/parts/K exists."""
-    from tqdm.auto import tqdm  # the progress bar (a dependency of datasets and litdata)
-
     parts_dir = work / "parts"
     parts_dir.mkdir(exist_ok=True)
     units, parts = plan["units"], plan["parts"]
     todo = [k for k in range(len(parts)) if not (parts_dir / str(k)).is_dir()]
-    if len(todo) < len(parts) and o.progress:
+    if len(todo) < len(parts) and o.progress is not False:
         print(f"attnzoo-data: resuming: {len(parts) - len(todo)} of {len(parts)} parts already done",
               file=sys.stderr)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one encoder thread per worker process; no fork warning
     total = sum(units[i]["bytes"] for k in todo for i in parts[k])
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not o.progress or not todo,
-               file=sys.stderr)
+    splits = [s for s in SPLITS if s == "train" or o.val_fraction > 0]
     t0, tokens = time.time(), 0
-    for k in todo:
-        tmp = work / f"tmp-{k}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        for split in SPLITS:
-            if split == "val" and o.val_fraction == 0:
-                continue
-            _optimize(EncodeUnits(units, tok_path, split == "val", o, dtype, eos), parts[k], tmp / split, o)
-            tokens += _counts(_index(tmp / split))[0]
-        os.replace(tmp, parts_dir / str(k))
-        bar.update(sum(units[i]["bytes"] for i in parts[k]))
-        bar.set_postfix_str(f"{tokens / max(time.time() - t0, 1e-9):,.0f} tokens/s")
-    bar.close()
+    with tokenizing(total, splits, o if todo else replace(o, progress=False)) as (read, part_done):
+        for k in todo:
+            tmp = work / f"tmp-{k}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            for split in splits:
+                fn = EncodeUnits(units, tok_path, split == "val", o, dtype, eos, read[split])
+                _optimize(fn, parts[k], tmp / split, o)
+                tokens += _counts(_index(tmp / split))[0]
+            os.replace(tmp, parts_dir / str(k))
+            part_done(sum(units[i]["bytes"] for i in parts[k]))
     return {"tokens": tokens, "seconds": time.time() - t0}
 
 

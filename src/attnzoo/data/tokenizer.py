@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,20 +62,13 @@ class BPETokenizer:
         self.tok = tok
 
     @classmethod
-    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        chunk = 1 << 16
-        tok.train_from_iterator((text[i : i + chunk] for i in range(0, len(text), chunk)), trainer=trainer)
+    def train(cls, text: str, vocab_size: int, progress=None) -> "BPETokenizer":
+        """Train on `text`. `progress(stage, done, total)`, when given, hears every stage: 'reading the text'
+        (characters), then the trainer's own 'tokenize words', 'count pairs', 'compute merges' (`_train_watched`)."""
+        if progress is not None and hasattr(os, "fork") and sys.platform != "win32":
+            return cls(_train_watched(text, vocab_size, progress))
+        tok, trainer = _bpe(vocab_size, show_progress=False)
+        tok.train_from_iterator(_chunks(text, progress), trainer=trainer)
         return cls(tok)
 
     @property
@@ -130,6 +125,105 @@ class FileTokenizer(BPETokenizer):
         lines = text.splitlines(keepends=True)
         chunks = ["".join(lines[i : i + 2000]) for i in range(0, len(lines), 2000)]
         return [i for enc in self.tok.encode_batch(chunks, add_special_tokens=False) for i in enc.ids]
+
+
+def _bpe(vocab_size: int, show_progress: bool):
+    """An untrained byte-level BPE and its trainer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=show_progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return tok, trainer
+
+
+READING = "reading the text"
+CHUNK = 1 << 16  # characters per piece handed to the trainer
+_BAR = re.compile(r"\]\s+(\S.*?)\s+[^\x00-\x7f]*\s*(\d+)\s*/\s*(\d+)\s*$")  # [00:00:05] Compute merges ███░ 4315 / 8192
+
+
+def _chunks(text: str, progress=None):
+    """The text in pieces for the trainer, reporting the characters handed over."""
+    for i in range(0, len(text), CHUNK):
+        yield text[i : i + CHUNK]
+        if progress is not None:
+            progress(READING, min(i + CHUNK, len(text)), len(text))
+
+
+def _train_watched(text: str, vocab_size: int, progress):
+    """Train in a forked child whose stderr is a pseudo-terminal, so that the Rust trainer draws its progress bars
+    (it draws none when stderr is not a terminal: a log, a pipe) and this process reads them: every stage's count
+    and total go to `progress`, wherever this process' own output goes ('pre-processing sequences', the pieces of
+    the text read, as READING in characters). Returns the trained `tokenizers.Tokenizer`."""
+    import pty
+    import signal
+
+    from tokenizers import Tokenizer
+
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    master, slave = pty.openpty()
+    pid = os.fork()
+    if pid == 0:  # the child: train, write the tokenizer, exit without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(master)
+            os.dup2(slave, 1)
+            os.dup2(slave, 2)
+            tok, trainer = _bpe(vocab_size, show_progress=True)
+            tok.train_from_iterator(_chunks(text), trainer=trainer)
+            Path(out).write_text(tok.to_str())
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported to the parent through the terminal, which raises it
+            import traceback
+
+            os.write(2, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(slave)
+    said, last = [], ["", 0, 0]
+
+    def heard(raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").strip()
+        if not (m := _BAR.search(line)):
+            said.append(line) if line else None
+            return
+        stage, done, total = m.group(1), int(m.group(2)), int(m.group(3))
+        if stage == "Pre-processing sequences":  # pieces of the text done, of an unknown total (its final draw
+            if done:  # reads 0 / 0)
+                progress(READING, min(done * CHUNK, len(text)), len(text))
+        elif total and done <= total and (stage == last[0] or [done, total] != last[1:]):  # a new bar's first
+            progress(stage.lower(), done, total)  # draw may show the last one's count
+        last[:] = [stage, done, total]
+
+    buf = b""
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child has exited, its end of the terminal closed
+                break
+            if not data:
+                break
+            # a bar redraws after \r or a terminal escape (clear the line) and the next starts right after the last
+            # one's final draw ('... 0 / 0[00:00:00] Tokenize words'); a line ends with \n
+            *lines, buf = re.split(rb"[\r\n]|\x1b\[[0-9;?]*[A-Za-z]|(?=\[\d+:\d\d:\d\d\])", buf + data)
+            for raw in lines:
+                heard(raw)
+        heard(buf)
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        if status != 0:
+            raise RuntimeError("training the BPE failed: " + " | ".join(said[-6:]))
+        return Tokenizer.from_str(Path(out).read_text())
+    finally:
+        if pid:  # interrupted (Ctrl-C): the child goes too
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(master)
+        Path(out).unlink(missing_ok=True)
 
 
 def file_sha(path: str | Path) -> str:

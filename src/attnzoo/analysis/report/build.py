@@ -1,6 +1,7 @@
 """build_report: a sweep directory's jobs -> report.csv, report.md, plots/*.png and report.html."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -25,7 +26,12 @@ def build_report(root: str | Path) -> dict:
     metric, _ = primary_metric(jobs)
     cols = [c for c in MD_METRICS if c in metric_columns(jobs)]
 
-    charts = report_charts(jobs, best, metric, legends)
+    lr_swept = any(j["n_lr"] > 1 for j in best)
+    seeds = max(j["n_seeds"] for j in best) > 1
+    # what a variant's row is: the best of its learning rates, the mean of its seeds, or (neither swept) its one job,
+    # which the all-jobs table shows already
+    which = "best learning rate per variant" if lr_swept else "mean over seeds per variant" if seeds else ""
+    charts = report_charts(jobs, best, metric, legends, which)
     study = scaling.study(jobs)  # a sweep of FLOP budgets: its iso-FLOP fits
     if study is not None:  # loss vs cache and tokens/s per job would facet by size x budget: the fits show those
         charts = scaling.charts(study) + [c for c in charts if c.name not in ("acc_vs_cache", "tokens_per_sec")]
@@ -39,22 +45,22 @@ def build_report(root: str | Path) -> dict:
     write_csv(jobs, root / "report.csv")
     n_ok = sum(j["status"] == "ok" for j in jobs)
     command = _sweep_command(root)
-    extra = [("best lr", lambda j: j["lr"]), ("lrs", lambda j: j["n_lr"])]
-    seeds = max(j["n_seeds"] for j in best) > 1
+    extra = [("best lr", lambda j: j["lr"]), ("lrs", lambda j: j["n_lr"])] if lr_swept else []
     if seeds:  # mean over seeds of the best lr, with the spread of the ranking metric
         extra += [("seeds", lambda j: j["n_seeds"]), (f"{metric} std", lambda j: j["spread"].get(metric))]
+    best_title = which[0].upper() + which[1:] if which else ""
     md = [f"# Sweep report: {root.name}", ""]
     if command:
         md += [f"Command: `{command}`", ""]
     md += [f"{len(jobs)} jobs, {n_ok} ok, {len(jobs) - n_ok} failed or incomplete. Ranking metric: `{metric}`"
            + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
            scaling.markdown(study) if study else "",
-           "## Best learning rate per variant", "", markdown_table(best, cols, extra=extra), "", lengths_md(best, metric),
-           "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
+           *([f"## {best_title}", "", markdown_table(best, cols, extra=extra), ""] if best_title else []),
+           lengths_md(best, metric), "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
-    (root / "report.md").write_text("\n".join(md) + "\n")
+    (root / "report.md").write_text(re.sub(r"\n{3,}", "\n\n", "\n".join(md) + "\n"))  # sections left out: no gaps
     (root / "report.html").write_text(page(root.name, command, jobs, best, cols, extra, metric, charts, plots,
-                                           scaling.html_section(study, plain_table_html) if study else ""))
+                                           scaling.html_section(study, plain_table_html) if study else "", best_title))
     return {"jobs": jobs, "best": best, "charts": charts, "scaling": study,
             "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots}}
 

@@ -4,8 +4,9 @@ the spread over seeds) that plots.py draws with matplotlib (the PNGs, for papers
 
 A chart is left out when it would show nothing: fewer than two points, or a plotted metric equal for every
 job (one degenerate column). Panels of one chart share their y axis (they are compared side by side), the
-legend is titled by the swept key whose values the colours are, and when seeds are swept every point is
-the mean over the seeds of its variant's best learning rate, with the standard deviation as its error bar.
+legend is titled by the swept key whose values the colours are (written as the sweep writes them: 2e12), every
+axis is labelled in one notation (NOTATIONS), and when seeds are swept every point is the mean over the seeds
+of its variant's best learning rate, with the standard deviation as its error bar.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from attnzoo.analysis.report.load import finite, mean_std
+from attnzoo.analysis.report.load import as_written, finite, mean_std
 from attnzoo.analysis.report.tables import fmt
 
 # matplotlib's tab10 and tab20 (the PNGs and the page use the same colour for a series)
@@ -28,7 +29,8 @@ HOVER_METRICS = ("val/acc", "val/loss", "perf/tokens_per_sec", "cache/bytes_per_
 class Series:
     """One colour: its points (x, y), each y's standard deviation over seeds (None: one seed), hover texts.
     `style` overrides how the chart's kind draws it: "points" (markers only), "fit" (a fitted curve: a line, no
-    markers), "optimum" (large open markers: a fitted minimum). Series of one name share colour and legend entry."""
+    markers), "void" (a fitted curve that does not hold: dashed), "optimum" (large open markers: a fitted
+    minimum). Series of one name share colour and legend entry."""
     name: str
     x: list
     y: list
@@ -54,12 +56,10 @@ class Chart:
     legend: str  # the legend's title: the swept key (or keys) whose values the colours are
     xlog: int = 0  # the x axis' log base (0: linear)
     ylog: int = 0  # the y axis' log base (0: linear)
-    sci: bool = False  # x tick labels in scientific notation (FLOPs: 1e+12), not as counts or bytes (4Ki)
+    xfmt: str = "plain"  # the x tick labels' notation (NOTATIONS): one per axis, never two mixed
+    yfmt: str = "plain"
     x_integer: bool = False  # steps, key-value pairs, lengths: whole-number ticks
     ylim: tuple[float, float] | None = None
-
-    def tick_label(self, x: float) -> str:
-        return f"{x:.3g}" if self.sci else compact(x)
 
     def colors(self) -> dict[str, str]:
         names = sorted({s.name for p in self.panels for s in p.series}, key=sort_key)
@@ -73,12 +73,54 @@ def sort_key(text: str):
             for t in re.split(r"[=\s]+", str(text))]
 
 
-def compact(x: float) -> str:
-    """A tick label: 4Ki / 1.5Mi for byte counts, 16 / 1,024 for counts, 3 significant digits otherwise."""
-    for div, unit in ((2**30, "Gi"), (2**20, "Mi"), (2**10, "Ki")):
-        if x >= div and x % (div // 16) == 0:
-            return f"{x / div:g}{unit}"
-    return f"{x:,.0f}" if x >= 1 and float(x).is_integer() else f"{x:.3g}"
+# the notations of an axis' tick labels, each used for every tick of the axis
+NOTATIONS = {
+    "plain": "decimal, thousands separated: 16, 1,024, 0.25 (steps, pairs, lengths, losses)",
+    "si": "decimal prefixes: 656, 7.76k, 1.2M (parameter counts)",
+    "bytes": "binary prefixes: 656, 82Ki, 2Mi (bytes)",
+    "sci": "scientific: 2.5e11 (FLOPs)",
+}
+_PREFIXES = {"si": (1000, ("", "k", "M", "G", "T")), "bytes": (1024, ("", "Ki", "Mi", "Gi", "Ti"))}
+
+
+def tick_text(x: float, notation: str) -> str:
+    """One tick label in `notation` (NOTATIONS)."""
+    if notation == "sci":
+        return as_written(f"{x:.3g}") if x else "0"
+    if notation in _PREFIXES:
+        base, names = _PREFIXES[notation]
+        k = 0
+        while abs(x) >= base ** (k + 1) and k + 1 < len(names):
+            k += 1
+
+        def mantissa(k: int) -> str:  # 3 significant digits, never an exponent (1000-1023 bytes: '1020')
+            m = x / base ** k
+            return f"{m:.0f}" if abs(m) >= 100 else f"{m:.3g}"
+
+        if abs(float(mantissa(k))) >= base and k + 1 < len(names):  # rounds up into the next prefix: 999,999.99 is 1M
+            k += 1
+        return mantissa(k) + names[k]
+    return f"{x:,.0f}" if abs(x) >= 100 or float(x).is_integer() else f"{x:.3g}"
+
+
+def log_ticks(values: list[float], base: int = 10, notation: str = "plain") -> list[float]:
+    """Ticks of a log axis over `values` (every plotted value, fitted lines included, so the ticks fall inside the
+    axis' range): 1, 2, 5 x 10^k, denser (1, 2, 3, 5; then 1..9) where that leaves fewer than three; on a base-2
+    axis or one of bytes, powers of 2 (every other one, or fewer, past eight); the two ends if none of these
+    leaves two."""
+    vs = [v for v in values if finite(v) and v > 0]
+    if not vs:
+        return []
+    lo, hi = min(vs), max(vs)
+    if base == 2 or notation == "bytes":
+        powers = [2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
+        return powers[::math.ceil(len(powers) / 8)] if len(powers) >= 2 else sorted({lo, hi})
+    decades = range(math.floor(math.log10(lo)), math.floor(math.log10(hi)) + 1)
+    for subs, enough in (((1, 2, 5), 3), ((1, 2, 3, 5), 3), (range(1, 10), 2)):
+        ticks = [m * 10.0 ** k for k in decades for m in subs if lo <= m * 10.0 ** k <= hi]
+        if len(ticks) >= enough:
+            return ticks
+    return sorted({lo, hi})
 
 
 def data_ticks(xs: list[float], room: int, most: int = 8) -> list[float]:
@@ -130,8 +172,13 @@ def _all_y(panels: list[Panel]) -> list:
     return [y for p in panels for s in p.series for y in s.y]
 
 
-def curves(best: list[dict], metric: str, legend: str) -> Chart | None:
-    """The ranking metric vs step, best lr per variant (the mean over seeds, at the steps every seed logged)."""
+def _titled(title: str, which: str) -> str:
+    return f"{title} ({which})" if which else title
+
+
+def curves(best: list[dict], metric: str, legend: str, which: str = "") -> Chart | None:
+    """The ranking metric vs step, best lr per variant (the mean over seeds, at the steps every seed logged).
+    `which`: what a variant's row is (e.g. 'best learning rate per variant'), for the title."""
     def point(j):
         runs = [r for r in j.get("runs", [j]) if r["curves"].get(metric)] or [j]
         by_step: dict[int, list[float]] = {}
@@ -148,11 +195,10 @@ def curves(best: list[dict], metric: str, legend: str) -> Chart | None:
     panels = _panels(best, point)
     if not _varies(_all_y(panels)):
         return None
-    return Chart("curves", f"{metric} vs step (best learning rate per variant)", "line", panels, "step", metric, legend,
-                 x_integer=True)
+    return Chart("curves", _titled(f"{metric} vs step", which), "line", panels, "step", metric, legend, x_integer=True)
 
 
-def acc_vs_cache(best: list[dict], metric: str, legend: str) -> Chart | None:
+def acc_vs_cache(best: list[dict], metric: str, legend: str, which: str = "") -> Chart | None:
     """The recall / memory trade-off: the metric vs the analytic cache bytes per token, a point per variant."""
     pts = [j for j in best if finite(j["metrics"].get(metric)) and finite(j["metrics"].get("cache/bytes_per_token"))
            and j["metrics"]["cache/bytes_per_token"] > 0]
@@ -160,11 +206,11 @@ def acc_vs_cache(best: list[dict], metric: str, legend: str) -> Chart | None:
         return None
     panels = _panels(pts, lambda j: Series(j["series"], [j["metrics"]["cache/bytes_per_token"]], [j["metrics"][metric]],
                                            [j["spread"][metric]] if metric in j.get("spread", {}) else None, [_hover(j)]))
-    return Chart("acc_vs_cache", f"{metric} vs inference cache (best learning rate per variant)", "scatter", panels,
-                 "cache/bytes_per_token", metric, legend, xlog=10)
+    return Chart("acc_vs_cache", _titled(f"{metric} vs inference cache", which), "scatter", panels,
+                 "cache/bytes_per_token", metric, legend, xlog=10, xfmt="bytes")
 
 
-def tokens_per_sec(best: list[dict], legend: str) -> Chart | None:
+def tokens_per_sec(best: list[dict], legend: str, which: str = "") -> Chart | None:
     """Training throughput, a bar per variant, coloured by series."""
     pts = [j for j in best if finite(j["metrics"].get("perf/tokens_per_sec"))]
     if not _varies([j["metrics"]["perf/tokens_per_sec"] for j in pts]):
@@ -174,11 +220,11 @@ def tokens_per_sec(best: list[dict], legend: str) -> Chart | None:
                      [f"{j['series']} | {j['facet']}" if j["facet"] != "all" else j["series"]],
                      [j["spread"]["perf/tokens_per_sec"]] if "perf/tokens_per_sec" in j.get("spread", {}) else None,
                      [_hover(j)]) for j in pts]
-    return Chart("tokens_per_sec", "training throughput (best learning rate per variant)", "bar", [Panel("", series)],
+    return Chart("tokens_per_sec", _titled("training throughput", which), "bar", [Panel("", series)],
                  "perf/tokens_per_sec (training)", "", legend)
 
 
-def lengths(best: list[dict], metric: str, legend: str) -> Chart | None:
+def lengths(best: list[dict], metric: str, legend: str, which: str = "") -> Chart | None:
     """Length extrapolation (eval.context_lengths): the metric at every evaluated length, the training length
     included, a line per series, a panel per facet."""
     def point(j):
@@ -198,7 +244,7 @@ def lengths(best: list[dict], metric: str, legend: str) -> Chart | None:
     panels = _panels(best, point)
     if not _varies(_all_y(panels)):
         return None
-    return Chart("lengths", f"{metric} vs context length (trained at data.seq_len)", "line", panels,
+    return Chart("lengths", _titled(f"{metric} vs context length (trained at data.seq_len)", which), "line", panels,
                  "evaluation context length", metric, legend, xlog=2, x_integer=True)
 
 
@@ -238,7 +284,7 @@ def _mqar_series(points: dict[str, list[tuple]], seeds: bool, xname: str) -> lis
     return out
 
 
-def mqar_difficulty(jobs: list[dict], legend: str) -> Chart | None:
+def mqar_difficulty(jobs: list[dict], legend: str, lr_swept: bool = True) -> Chart | None:
     """Best val/acc (best-of-lr, mean over seeds) vs key-value pairs, a line per series (mixer, or e.g.
     n_kv_heads=2 in the kv_heads sweep), a panel per width."""
     best = _mqar_best(jobs, lambda j: (_width(j), j["line"], int(_pairs(j))))
@@ -252,11 +298,12 @@ def mqar_difficulty(jobs: list[dict], legend: str) -> Chart | None:
             if kw == w:
                 points.setdefault(line, []).append((n, b))
         panels.append(Panel(f"MQAR, d_model={w}", _mqar_series(points, seeds, "pairs")))
-    return Chart("mqar_difficulty", "MQAR accuracy vs difficulty (best learning rate)", "line", panels,
-                 "key-value pairs (N)", "val/acc (best lr)", legend, xlog=2, x_integer=True, ylim=(-0.02, 1.02))
+    return Chart("mqar_difficulty", _titled("MQAR accuracy vs difficulty", "best learning rate" if lr_swept else ""),
+                 "line", panels, "key-value pairs (N)", "val/acc (best lr)" if lr_swept else "val/acc", legend, xlog=2,
+                 x_integer=True, ylim=(-0.02, 1.02))
 
 
-def recall_vs_state(jobs: list[dict], legend: str) -> Chart | None:
+def recall_vs_state(jobs: list[dict], legend: str, lr_swept: bool = True) -> Chart | None:
     """Zoology's headline view (Arora et al. 2023, Fig. 2): MQAR accuracy vs the state a mixer holds at the
     task's context (`cache/bytes_at_ctx`, measured by a real prefill), a line per series through its widths,
     a panel per number of key-value pairs. Best learning rate per (series, N, d_model)."""
@@ -272,12 +319,15 @@ def recall_vs_state(jobs: list[dict], legend: str) -> Chart | None:
                 points.setdefault(line, []).append((b["x"], b))
         panels.append(Panel(f"MQAR, N={n} key-value pairs", _mqar_series(points, seeds, "cache/bytes_at_ctx")))
     return Chart("recall_vs_state", "recall vs state size (points: model widths)", "line", panels,
-                 "state size: cache/bytes_at_ctx (bytes)", "val/acc (best lr)", legend, xlog=10, ylim=(-0.02, 1.02))
+                 "state size: cache/bytes_at_ctx (bytes)", "val/acc (best lr)" if lr_swept else "val/acc", legend,
+                 xlog=10, xfmt="bytes", ylim=(-0.02, 1.02))
 
 
-def report_charts(jobs: list[dict], best: list[dict], metric: str, legends: dict[str, str]) -> list[Chart]:
-    """Every chart the sweep's files support, in the report's order."""
-    made = [curves(best, metric, legends["series"]), acc_vs_cache(best, metric, legends["series"]),
-            tokens_per_sec(best, legends["series"]), mqar_difficulty(jobs, legends["line"]),
-            recall_vs_state(jobs, legends["line"]), lengths(best, metric, legends["series"])]
+def report_charts(jobs: list[dict], best: list[dict], metric: str, legends: dict[str, str], which: str = "") -> list[Chart]:
+    """Every chart the sweep's files support, in the report's order. `which`: what a variant's point is, for the
+    titles ('best learning rate per variant' when the learning rate was swept; '' when a point is one job)."""
+    lr_swept = "learning rate" in which
+    made = [curves(best, metric, legends["series"], which), acc_vs_cache(best, metric, legends["series"], which),
+            tokens_per_sec(best, legends["series"], which), mqar_difficulty(jobs, legends["line"], lr_swept),
+            recall_vs_state(jobs, legends["line"], lr_swept), lengths(best, metric, legends["series"], which)]
     return [c for c in made if c is not None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def annotate(jobs: list[dict]) -> dict[str, str]:
     # the colour of a series: the swept mixer if it varies, else the first other swept key (kv heads, window...)
     color_key = "model/mixer" if "model/mixer" in keys else next((k for k in keys if k not in AXIS_KEYS), None)
     for j in jobs:
-        sweep_ov = [o for o in j["overrides"] if not o.startswith(_FIXED_PREFIXES)]
+        sweep_ov = [_written(o) for o in j["overrides"] if not o.startswith(_FIXED_PREFIXES)]
         label = [o for o in sweep_ov if _ov_key(o) in varying] or sweep_ov
         j["label"] = " ".join(label) or j["job"]
         j["variant"] = " ".join(o for o in label if _ov_key(o) not in _LR_KEYS) or "all"
@@ -127,9 +128,30 @@ def _number(text: str) -> float | str:
         return text
 
 
+def _written(o: str) -> str:
+    """An override with its number as the sweep file writes it: 'trainer.max_flops=2000000000000.0' (how Hydra
+    records 2e12) -> 'trainer.max_flops=2e12'."""
+    key, eq, value = o.partition("=")
+    return f"{key}={as_written(value)}" if eq else o
+
+
+def as_written(text: str) -> str:
+    """A number as a sweep file writes it, the shorter of it and its shortest form: '2000000000000.0' (how Hydra
+    records 2e12) -> '2e12', '2.5e+11' -> '2.5e11', '64.0' -> '64'; '1e-3' and '0.001' stay (a legend entry,
+    a panel title, a table's overrides). Anything that is not a float literal unchanged."""
+    if not re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)", text.strip()):
+        return text
+    v = float(text)
+    mantissa, _, exp = next(f"{v:.{p}g}" for p in range(1, 18) if float(f"{v:.{p}g}") == v).partition("e")
+    short = mantissa + (f"e{int(exp)}" if exp else "")
+    return short if len(short) < len(text) else text
+
+
 def _short(o: str) -> str:
-    """'model/mixer=gqa' -> 'gqa'; 'model.n_kv_heads=2' -> 'n_kv_heads=2' (labels that fit a legend)."""
+    """'model/mixer=gqa' -> 'gqa'; 'model.n_kv_heads=2' -> 'n_kv_heads=2'; 'model.pattern="gdn;gqa"' ->
+    'pattern=gdn;gqa' (labels that fit a legend)."""
     key, _, value = o.lstrip("+~").partition("=")
+    value = value.strip("'\"")
     if "/" in key:
         return value
     return f"{key.rsplit('.', 1)[-1]}={value}"

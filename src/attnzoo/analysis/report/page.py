@@ -41,8 +41,10 @@ def views(rows: list[dict], field: str) -> list[tuple[str, list[int]]]:
 
 
 def figure_html(fig, div_id: str) -> str:
-    """The figure's div and its specification (plotly.js is loaded once, in the page's head)."""
-    return pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id, default_width="100%",
+    """The figure's div and its specification (plotly.js is loaded once, in the page's head); a table at the width
+    its layout sets (its columns whole: the page scrolls sideways if it must), a chart across the page."""
+    width = f"{fig.layout.width}px" if fig.layout.width else "100%"
+    return pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id, default_width=width,
                        config={"displaylogo": False, "responsive": True,
                                "toImageButtonOptions": {"filename": div_id, "scale": 2}})
 
@@ -62,8 +64,9 @@ def plain_table_html(div_id: str, head: list[str], rows: list[list]) -> str:
 
 
 def page(title: str, command: str, jobs: list[dict], best: list[dict], cols: list[str], extra: list[tuple[str, Any]],
-         metric: str, charts: list[Chart], pngs: dict[str, Path], sections: str = "") -> str:
-    """`sections`: further sections' html (a budget sweep's scaling study), before the best-of-lr table."""
+         metric: str, charts: list[Chart], pngs: dict[str, Path], sections: str = "", best_title: str = "") -> str:
+    """`sections`: further sections' html (a budget sweep's scaling study), before the best-of-lr table;
+    `best_title`: that table's heading ('' when neither the learning rate nor the seed was swept: no such table)."""
     e = html.escape
     lengths = length_table(best, metric)
     fails = "".join(f"<li class='failed'>job {e(j['job'])} ({e(j['label'])}): {e(j['status'])}: {e(j['error'])}</li>"
@@ -76,7 +79,8 @@ def page(title: str, command: str, jobs: list[dict], best: list[dict], cols: lis
         f"<p>{len(jobs)} jobs, {sum(j['status'] == 'ok' for j in jobs)} ok; ranking metric <code>{e(metric)}</code>; "
         f"best-of-lr rows are means over seeds where seeds were swept.</p><p>{HELP}</p>",
         sections,
-        "<h2>Best learning rate per variant</h2>", _table_html("table-best", best, table(best, cols, extra), "variant_overrides"),
+        *([f"<h2>{e(best_title)}</h2>", _table_html("table-best", best, table(best, cols, extra), "variant_overrides")]
+          if best_title else []),
         *(["<h2>Charts</h2>"] if charts else []), *[figure_html(chart_figure(c), f"chart-{c.name}") for c in charts],
         *(["<h2>Length extrapolation</h2>", _table_html("table-lengths", best, lengths, "variant_overrides")] if lengths[1] else []),
         "<h2>All jobs</h2>", _table_html("table-all", jobs, table(jobs, cols), "swept"),

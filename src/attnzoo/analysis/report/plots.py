@@ -4,13 +4,14 @@ deviation as error bars (or a band along a curve), round y ticks and whole-numbe
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
 from matplotlib.lines import Line2D
-from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter, StrMethodFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator, ScalarFormatter
 
-from attnzoo.analysis.report.charts import DENSE, Chart, Series, data_ticks
+from attnzoo.analysis.report.charts import DENSE, Chart, Series, data_ticks, log_ticks, tick_text
 
 
 def _plt():
@@ -39,21 +40,30 @@ def _round_y(ax) -> None:
     ax.yaxis.set_major_formatter(formatter)
 
 
+def _log_axis(axis, ticks: list[float], notation: str) -> None:
+    """A log axis ticked at `ticks` only, every label in one notation (matplotlib's own would mix 10^3 with 2x10^3)."""
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: tick_text(v, notation)))
+    axis.set_minor_locator(NullLocator())
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _x_axis(ax, chart: Chart, series: list[Series]) -> None:
     if chart.xlog:
         ax.set_xscale("log", base=chart.xlog)
-        ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks labelled "3x10^2 4x10^2" overlap
         # a fit's x and a fitted optimum's are not data: ticking them too crowds a narrow panel's labels
-        if ticks := data_ticks([x for s in series if s.style not in ("fit", "optimum") for x in s.x], room=10):
-            ax.set_xticks(ticks, [chart.tick_label(x) for x in ticks])
-            ax.xaxis.set_minor_formatter(NullFormatter())
-    elif chart.x_integer:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True, steps=[1, 2, 2.5, 5, 10]))
+        ticks = data_ticks([x for s in series if s.style in ("", "points") for x in s.x], room=10)
+        _log_axis(ax.xaxis, ticks or log_ticks([x for s in series for x in s.x], chart.xlog, chart.xfmt), chart.xfmt)
+    else:
+        if chart.x_integer:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True, steps=[1, 2, 2.5, 5, 10]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: tick_text(v, chart.xfmt)))
 
 
 def _draw(ax, chart: Chart, s: Series, color: str) -> None:
-    if s.style == "fit":  # a fitted curve, under its points
-        ax.plot(s.x, s.y, color=color, lw=1.2, alpha=0.8, zorder=2)
+    if s.style in ("fit", "void"):  # a fitted curve, under its points; dashed: a fit that does not hold
+        ax.plot(s.x, s.y, color=color, lw=1.2, alpha=0.8 if s.style == "fit" else 0.6, zorder=2,
+                ls="-" if s.style == "fit" else "--")
         return
     if s.style == "optimum":
         ax.scatter(s.x, s.y, s=90, facecolors="none", edgecolors=color, linewidths=1.6, zorder=4)
@@ -88,11 +98,10 @@ def _panels(chart: Chart):
         for s in panel.series:
             _draw(ax, chart, s, colors[s.name])
         _x_axis(ax, chart, panel.series)
-        if chart.ylog:  # ticks at 1, 2, 5 x 10^k, written out (a range within a decade shows several)
+        if chart.ylog:  # ticks at 1, 2, 5 x 10^k of every panel's values, written out, the same on every panel
             ax.set_yscale("log", base=chart.ylog)
-            ax.yaxis.set_major_locator(LogLocator(base=chart.ylog, subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:.3g}"))
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            _log_axis(ax.yaxis, log_ticks([y for p in chart.panels for s in p.series for y in s.y], chart.ylog,
+                                          chart.yfmt), chart.yfmt)
         if panel.title != "all":
             ax.set_title(panel.title, fontsize=9)
         ax.set_xlabel(chart.xlabel, fontsize=8)
@@ -106,7 +115,7 @@ def _panels(chart: Chart):
         flat[0].set_ylim(*chart.ylim)
     handles = [Line2D([], [], color=c, marker="o", label=n) for n, c in colors.items()]
     fig.legend(handles=handles, loc="center right", title=chart.legend, fontsize=8, title_fontsize=8, frameon=False)
-    fig.suptitle(chart.title, fontsize=10)
+    fig.suptitle(textwrap.fill(chart.title, int(11 * fig.get_figwidth())), fontsize=10)  # ~11 characters an inch
     fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     return fig
 
@@ -124,8 +133,8 @@ def _bars(chart: Chart):
     ax.set_ylabel(chart.legend, fontsize=8)
     ax.set_xlabel(chart.xlabel)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
-    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: tick_text(v, "plain")))
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(chart.title, fontsize=10)
+    ax.set_title(textwrap.fill(chart.title, int(11 * fig.get_figwidth())), fontsize=10)
     fig.tight_layout()
     return fig

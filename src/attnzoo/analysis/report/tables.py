@@ -75,9 +75,10 @@ def _cell(v: Any) -> Cell:
 
 def table(rows: list[dict], cols: list[str], extra: list[tuple[str, Any]] = ()) -> tuple[list[str], list[list[Cell]]]:
     """The best-of-lr table (`extra` columns, e.g. best lr) or the all-jobs table (each job's built layers):
-    the header and, per row, its cells."""
-    extra = list(extra) or [("layers", layers_text)]
-    per_job = extra[0][0] == "layers"
+    the header and, per row, its cells (the layers column only where summary.json holds the layers)."""
+    per_job = not extra
+    if per_job:
+        extra = [("layers", layers_text)] if any(layers_text(j) for j in rows) else []
     head = ["job", "overrides" if per_job else "variant", "mixer", "status", *[h for h, _ in extra], *cols]
     cells = [[_cell(j["job"]), _cell(j["label"] if per_job else j["variant"]), _cell(j["mixer"]), _cell(j["status"]),
               *[_cell(fn(j)) for _, fn in extra], *[_cell(j["metrics"].get(c)) for c in cols]] for j in rows]
