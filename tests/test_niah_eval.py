@@ -77,3 +77,36 @@ def test_lengths_past_the_models_positions_are_refused(text_run, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("attnzoo-eval: error: --lengths: 1020 tokens + ") and "model.max_seq_len=1024" in err, err
     assert "--extrapolate" in err
+
+
+def test_the_sweep_report_shows_each_variants_needle_grid(tmp_path):
+    """attnzoo-report on a data=needle sweep (fabricated jobs, each with the niah.json a run writes at its end): one
+    heatmap panel per variant in plots/niah.png and a table of the accuracy per length, the mean over depths, taking
+    each variant's best learning rate (as the report's other tables)."""
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from attnzoo.analysis.niah import summarise_cells
+    from attnzoo.analysis.report import build_report
+    from tests.test_report_html import write_job
+
+    def grid(acc64, acc128):  # two depths per length
+        return summarise_cells({"needle": {64: {0.0: [acc64[0]], 1.0: [acc64[1]]},
+                                           128: {0.0: [acc128[0]], 1.0: [acc128[1]]}}})
+
+    jobs = {("gqa", 1e-3): (0.9, grid((1.0, 1.0), (0.5, 0.25))), ("gqa", 3e-3): (0.2, grid((0.0, 0.0), (0.0, 0.0))),
+            ("gated_deltanet", 1e-3): (0.8, grid((1.0, 0.75), (1.0, 0.5)))}
+    for i, ((mixer, lr), (acc, result)) in enumerate(jobs.items()):
+        job = tmp_path / "needle" / str(i)
+        write_job(job, [f"model/mixer={mixer}", f"optim.lr={lr}"], {"val/acc": acc, "val/loss": 1.0 - acc})
+        (job / "niah.json").write_text(json.dumps(result))
+    rep = build_report(tmp_path / "needle")
+    assert set(rep["niah"]) == {"model/mixer=gqa", "model/mixer=gated_deltanet"}
+    gqa = rep["niah"]["model/mixer=gqa"]  # the lr with the best val/acc, not the other one's zeros
+    assert gqa["by_length"] == {"64": 1.0, "128": 0.375} and gqa["mean"] == pytest.approx(0.6875)
+    md = (tmp_path / "needle" / "report.md").read_text()
+    assert "| model/mixer=gqa | 1.000 | 0.375 | 0.688 |" in md and "| model/mixer=gated_deltanet | 0.875 | 0.750 |" in md
+    assert "![niah](plots/niah.png)" in md and "<h2>Needle in a haystack</h2>" in (tmp_path / "needle" / "report.html").read_text()
+    image = plt.imread(tmp_path / "needle" / "plots" / "niah.png")
+    assert image.shape[1] > image.shape[0] > 100  # two panels side by side

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from attnzoo.analysis.report import scaling
+from attnzoo.analysis.report import niah, scaling
 from attnzoo.analysis.report.charts import report_charts
 from attnzoo.analysis.report.load import job_dirs, annotate, best_per_variant, load_job, primary_metric
 from attnzoo.analysis.report.page import page, plain_table_html
@@ -42,6 +42,9 @@ def build_report(root: str | Path) -> dict:
         plots[f"{chart.name}.png"] = plots_dir / f"{chart.name}.png"
         draw_png(chart, plots[f"{chart.name}.png"])
 
+    needles = niah.study(best)  # data=needle jobs with their depth x length grid (niah.json)
+    if needles:
+        niah.draw(needles, plots_dir / "niah.png")
     write_csv(jobs, root / "report.csv")
     n_ok = sum(j["status"] == "ok" for j in jobs)
     command = _sweep_command(root)
@@ -56,13 +59,15 @@ def build_report(root: str | Path) -> dict:
            + (" (best-of-lr rows: means over seeds, with the standard deviation)." if seeds else "."), "",
            scaling.markdown(study) if study else "",
            *([f"## {best_title}", "", markdown_table(best, cols, extra=extra), ""] if best_title else []),
-           lengths_md(best, metric), "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
+           lengths_md(best, metric), niah.markdown(needles) if needles else "", "## All jobs", "", markdown_table(jobs, cols), "", failures_md(jobs)]
     md += [f"![{p}](plots/{p})" for p in plots]
     (root / "report.md").write_text(re.sub(r"\n{3,}", "\n\n", "\n".join(md) + "\n"))  # sections left out: no gaps
     (root / "report.html").write_text(page(root.name, command, jobs, best, cols, extra, metric, charts, plots,
-                                           scaling.html_section(study, plain_table_html) if study else "", best_title))
-    return {"jobs": jobs, "best": best, "charts": charts, "scaling": study,
-            "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots}}
+                                           (scaling.html_section(study, plain_table_html) if study else "")
+                                           + (niah.html_section(needles) if needles else ""), best_title))
+    return {"jobs": jobs, "best": best, "charts": charts, "scaling": study, "niah": needles,
+            "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots,
+                      **({"niah.png": plots_dir / "niah.png"} if needles else {})}}
 
 
 def _sweep_command(root: Path) -> str:
