@@ -66,6 +66,8 @@ def _cases(tmp):
          "scheduler.decay_steps", "take more than trainer.max_steps=6"),
         ("step checkpoints not a bool", ["callbacks.step_checkpoints=2"], "callbacks.step_checkpoints", "allowed: true"),
         ("keep zero step checkpoints", ["callbacks.keep_latest=0"], "callbacks.keep_latest", "a number >= 1"),
+        ("negative branch budget", ["callbacks.branch_budgets=[1e9,-1]"], "callbacks.branch_budgets",
+         "a list of training-FLOP budgets > 0"),
         ("step checkpoint not a number", ["ckpt_path=step:last"], "ckpt_path", "allowed: step:N"),
         ("step checkpoint never kept", ["ckpt_path=step:4"], "ckpt_path", "no checkpoint of step 4"),
         ("cooldown of a cosine run", ["branch_from=/tmp"], "branch_from", "allowed: scheduler=wsd"),

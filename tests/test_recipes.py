@@ -79,3 +79,32 @@ def test_a_cooldown_branched_from_a_kept_step_equals_the_schedule_trained_straig
                           tmp_path / "nope"))
     with pytest.raises(ConfigError, match=r"^ckpt_path: no checkpoint of step 3 in"):
         train(compose_cfg(BASE + ["scheduler.decay_steps=0", "trainer.max_steps=8", "ckpt_path=step:3"], stable))
+
+
+def test_a_cooldown_sized_by_flops_branches_where_the_stable_run_kept_its_budget(tmp_path):
+    """callbacks.branch_budgets keeps the step where each FLOP budget's 20% cooldown starts; a run with that
+    trainer.max_flops and branch_from starts there (its steps known once its model is built), equals the same budget
+    trained straight on its schedule, and is a point of the report's iso-FLOP study (stopped by its budget)."""
+    flops_per_step = json.loads((_stable_for_budgets(tmp_path) / "summary.json").read_text())["length"]["flops"] / 10
+    budget = 5 * flops_per_step  # 5 steps: the cooldown starts at step 4 (20%: 1 step)
+    assert sorted(p.name for p in (tmp_path / "stable" / "checkpoints").glob("step-*")) == \
+        ["step-00000004.ckpt", "step-00000008.ckpt"]  # budgets of 5 and 10 steps
+    sized = ["trainer.max_steps=null", f"trainer.max_flops={budget!r}", "scheduler.decay_fraction=0.2"]
+    b = train(compose_cfg(BASE + sized + [f"branch_from={tmp_path / 'stable'}"], tmp_path / "cooldown"))
+    c = train(compose_cfg(BASE + sized, tmp_path / "straight"))
+    lb, lc = train_losses(tmp_path / "cooldown"), train_losses(tmp_path / "straight")
+    assert sorted(lb) == [4] and lb[4] == lc[4] and b["val/loss"] == c["val/loss"]
+    summary = json.loads((tmp_path / "cooldown" / "summary.json").read_text())
+    # what the report's iso-FLOP study takes a job by (analysis/report/scaling.py): a FLOP budget, reached
+    assert summary["length"]["max_flops"] == budget and summary["length"]["flops"] >= budget
+
+
+def _stable_for_budgets(tmp_path):
+    """A stable 10-step run whose branch_budgets are the FLOPs of 5 and 10 of its steps (a first run measures them)."""
+    probe = tmp_path / "probe"
+    train(compose_cfg(BASE + ["trainer.max_steps=1", "scheduler.warmup_steps=0"], probe))
+    per_step = json.loads((probe / "summary.json").read_text())["length"]["flops"]
+    stable = tmp_path / "stable"
+    train(compose_cfg(BASE + ["scheduler.decay_steps=0", "trainer.max_steps=10",
+                              f"callbacks.branch_budgets=[{5 * per_step!r},{10 * per_step!r}]"], stable))
+    return stable

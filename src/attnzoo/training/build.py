@@ -58,15 +58,23 @@ def resolve_run_length(run, data_cfg, lit, family, container: dict, ckpt: dict |
     t = run.trainer
     if family.name != "decoder":
         return None
-    data_parallel = max(1, requested_devices(t) * t.num_nodes // t.context_parallel)
-    per_step = tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel)
-    per_token = train_flops_per_token(lit.model, data_cfg.seq_len)
-    length = run_length(t.max_steps, t.max_tokens, t.max_flops, per_step, per_token, spent_in(ckpt, per_step, per_token))
+    length = measured_length(run, data_cfg, lit, ckpt)
     if length.limit != "trainer.max_steps" or t.max_steps is None:
         t.max_steps = container["trainer"]["max_steps"] = lit.max_steps = length.steps
         print(f"attnzoo: {length.limit}={getattr(t, length.limit.split('.')[1]):.4g} -> {length.steps} steps of "
               f"{length.tokens_per_step:,} tokens ({length.flops_per_step:.3g} FLOPs) each", flush=True)
     return length
+
+
+def measured_length(run, data_cfg, lit, ckpt: dict | None = None, max_flops: float | None = None):
+    """The RunLength of this run's limits (or of `max_flops` alone) at its model's per-step cost; nothing changed."""
+    t = run.trainer
+    data_parallel = max(1, requested_devices(t) * t.num_nodes // t.context_parallel)
+    per_step = tokens_per_step(data_cfg.batch_size, data_cfg.seq_len, t.accumulate_grad_batches, data_parallel)
+    per_token = train_flops_per_token(lit.model, data_cfg.seq_len)
+    if max_flops is not None:
+        return run_length(None, None, max_flops, per_step, per_token)
+    return run_length(t.max_steps, t.max_tokens, t.max_flops, per_step, per_token, spent_in(ckpt, per_step, per_token))
 
 
 def spent_in(ckpt: dict | None, per_step: int, per_token: float) -> Spent:

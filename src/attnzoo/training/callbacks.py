@@ -293,3 +293,20 @@ class RunCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         if self.monitor and self.save_top_k and self.monitor in candidates and not trainer.fast_dev_run:
             self._save_topk_checkpoint(trainer, candidates)
+
+
+class KeepSteps(L.Callback):
+    """Saves `checkpoints/step-<N>.ckpt` at each of the given optimizer steps (callbacks.branch_budgets: where the
+    cooldowns of FLOP budgets start, docs/recipes.md), once each, through the trainer (file or sharded folder)."""
+
+    def __init__(self, dirpath, steps) -> None:
+        self.dirpath = dirpath
+        self.steps = set(int(s) for s in steps)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from attnzoo.distributed.checkpoint_files import step_checkpoint
+
+        step = trainer.global_step
+        if step in self.steps:  # after the optimizer step that reached it (micro-batches after it: not again)
+            self.steps.discard(step)
+            trainer.save_checkpoint(step_checkpoint(self.dirpath.parent, step))

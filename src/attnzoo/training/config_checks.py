@@ -25,7 +25,7 @@ from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget, check_budget_floor
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
-from attnzoo.training.recipe_checks import check_optim, check_scheduler, run_checkpoint
+from attnzoo.training.recipe_checks import check_checkpoints, check_optim, check_scheduler, run_checkpoint
 
 # torch is imported by the checks that need it (devices, kernels), after the value checks: a refused value is
 # reported before torch's import (issue 45; tests/test_lean_imports.py)
@@ -111,14 +111,7 @@ def _check_fsdp_flags(container: dict) -> None:
 
 
 def _check_callbacks(cb: dict, data: Any, model: ModelConfig) -> None:
-    every = cb.get("checkpoint_every_n_steps")
-    check(every is None or (isinstance(every, int) and every >= 0), "callbacks.checkpoint_every_n_steps",
-          f"got {every!r}; allowed: null (every val_check_interval), 0 (same) or a positive number of steps")
-    check(cb.get("step_checkpoints", False) in (True, False), "callbacks.step_checkpoints",
-          f"got {cb.get('step_checkpoints')!r}; allowed: true (keep checkpoints/step-<N>.ckpt) or false")
-    keep = cb.get("keep_latest")
-    check(keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1), "callbacks.keep_latest",
-          f"got {keep!r}; allowed: null (keep every step checkpoint) or a number >= 1")
+    check_checkpoints(cb)
     # metrics that exist when checkpoints / early stopping read them: validation metrics of this task
     metrics = family_of(model).metrics(data)
     monitors = [("callbacks.monitor", cb.get("monitor"))]

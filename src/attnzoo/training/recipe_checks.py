@@ -44,10 +44,12 @@ def check_scheduler(sched, trainer) -> None:
               f"allowed: warmup_steps + decay <= max_steps")
 
 
-def run_checkpoint(run) -> str | None:
+def run_checkpoint(run, steps: int | None = None) -> str | None:
     """The checkpoint a run starts from: `ckpt_path` when set (a resume, `last`, `step:N`, a file); else, with
     `branch_from` (a cooldown of warmup-stable-decay, docs/recipes.md), that run's step checkpoint where this run's
-    decay starts: trainer.max_steps - the decay's steps. Refused in one line when that step was not kept."""
+    decay starts: its steps - the decay's steps. The steps: trainer.max_steps, or `steps` (a run sized by
+    trainer.max_flops / max_tokens knows them once its model is built: None until then). Refused in one line when
+    that step was not kept."""
     if run.ckpt_path is not None or not run.branch_from:
         return run.ckpt_path
     from attnzoo.distributed.checkpoint_files import existing_step
@@ -55,8 +57,33 @@ def run_checkpoint(run) -> str | None:
 
     check(run.scheduler.name == "wsd", "branch_from", f"a cooldown branches a warmup-stable-decay run; allowed: "
           f"scheduler=wsd (got scheduler={run.scheduler.name})")
-    steps = run.trainer.max_steps
-    check(steps is not None and steps > 0, "branch_from", "needs trainer.max_steps (the budget whose cooldown this is)")
     check(Path(run.branch_from).expanduser().is_dir(), "branch_from", f"{run.branch_from} is not a run directory")
+    if steps is None and (run.trainer.max_flops is not None or run.trainer.max_tokens is not None):
+        return None  # a budget's steps: resolved once the model's per-step cost is known (training/run.py)
+    steps = steps or run.trainer.max_steps
+    check(steps is not None and steps > 0, "branch_from",
+          "needs the budget whose cooldown this is: trainer.max_steps, max_flops or max_tokens")
     start = steps - decay_steps(run.scheduler, steps)
     return str(existing_step(run.branch_from, start, "branch_from"))
+
+
+def branch_budget_steps(sched, steps: int) -> int:
+    """callbacks.branch_budgets: the step where a budget of `steps` steps starts its cooldown, by this run's
+    scheduler.decay_fraction (a stable run has no decay of its own: decay_steps 0)."""
+    return steps - int(round(sched.decay_fraction * steps))
+
+
+def check_checkpoints(cb: dict) -> None:
+    """callbacks.*'s checkpoint keys: the interval, step checkpoints kept, the stable run's branch budgets."""
+    every = cb.get("checkpoint_every_n_steps")
+    check(every is None or (isinstance(every, int) and every >= 0), "callbacks.checkpoint_every_n_steps",
+          f"got {every!r}; allowed: null (every val_check_interval), 0 (same) or a positive number of steps")
+    check(cb.get("step_checkpoints", False) in (True, False), "callbacks.step_checkpoints",
+          f"got {cb.get('step_checkpoints')!r}; allowed: true (keep checkpoints/step-<N>.ckpt) or false")
+    budgets = cb.get("branch_budgets")
+    check(budgets is None or (isinstance(budgets, list) and all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                                                and c > 0 for c in budgets)), "callbacks.branch_budgets",
+          f"got {budgets!r}; allowed: null or a list of training-FLOP budgets > 0, e.g. [2.5e11, 5e11]")
+    keep = cb.get("keep_latest")
+    check(keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1), "callbacks.keep_latest",
+          f"got {keep!r}; allowed: null (keep every step checkpoint) or a number >= 1")

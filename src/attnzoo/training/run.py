@@ -19,8 +19,8 @@ from attnzoo.config.errors import ConfigError
 from attnzoo.interop.hf import apply_init_from, check_init_vocab
 from attnzoo.ops.dispatch import gate_notices, run_compute_dtype
 from attnzoo.training.callbacks import command_start
-from attnzoo.training.build import (build_module, check_kernels_present, check_schedule_continues, prepare_data,
-                                    resolve_ckpt, resolve_run_length, run_device_type)
+from attnzoo.training.build import (build_module, check_kernels_present, check_schedule_continues, measured_length,
+                                    prepare_data, resolve_ckpt, resolve_run_length, run_device_type)
 from attnzoo.training.checkpoint_io import check_resume_compatible, flatten
 from attnzoo.training.config_checks import check_devices_present, validate
 from attnzoo.training.console import ConsoleLog
@@ -107,6 +107,10 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
     if is_rank_zero():  # fla refuses a kernel on this device (ops/dispatch.py fla_gates): auto runs torch, and says so
         for line in gate_notices(lit.model, run_device_type(run.trainer), run_compute_dtype(run.trainer)[0]):
             print(line, flush=True)
+    if ckpt is None and run.branch_from and run.ckpt_path is None and family.name == "decoder":
+        # a cooldown sized by trainer.max_flops / max_tokens: its steps at this model's cost give the branch point
+        ckpt_path, ckpt = resolve_ckpt(run_checkpoint(run, measured_length(run, parts["data"], lit).steps), out)
+        check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
     parts["length"] = resolve_run_length(run, parts["data"], lit, family, container, ckpt)
     check_schedule_continues(lit, ckpt, ckpt_path)  # an extended run equals the longer run, or is refused
     if on_accept is not None:

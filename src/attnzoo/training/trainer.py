@@ -15,7 +15,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from attnzoo.data.sampling import DataPositionCallback
 from attnzoo.distributed.checkpoint_files import STEP_PREFIX
-from attnzoo.training.callbacks import PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
+from attnzoo.config.stops import run_length
+from attnzoo.training.callbacks import KeepSteps, PreemptionCheckpoint, RunCheckpoint, ThroughputMonitor, TrainingSpend
+from attnzoo.training.recipe_checks import branch_budget_steps
 from attnzoo.ops.dispatch import run_compute_dtype
 from attnzoo.training.build import run_device_type
 from attnzoo.training.checkpoint_io import AtomicCheckpointIO
@@ -108,6 +110,13 @@ def build_trainer(parts: dict, out: Path, loggers: list):
                                          monitor="step", mode="max", save_top_k=-1 if keep is None else int(keep),
                                          every_n_train_steps=ckpt_every, auto_insert_metric_name=False,
                                          enable_version_counter=False))
+    budgets = cb_cfg.get("branch_budgets") or []
+    if budgets and parts.get("length"):  # a stable run: keep the steps where cooldowns of these budgets start
+        length = parts["length"]
+        starts = {branch_budget_steps(parts["run"].scheduler,
+                                      run_length(None, None, float(c), length.tokens_per_step, length.flops_per_token).steps)
+                  for c in budgets}
+        callbacks.append(KeepSteps(out / "checkpoints", {s for s in starts if 0 < s <= length.steps}))
     if run.perf.profile and global_rank() == 0:  # a torch.profiler trace of a window of steps (training/profiling.py)
         callbacks.append(ProfileWindow(out, run.perf.profile_wait, run.perf.profile_steps))
     monitor = cb_cfg.get("monitor") or "val/loss"
