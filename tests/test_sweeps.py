@@ -31,7 +31,12 @@ _PREPARED: list = []
 def prepared_corpus() -> str:
     """A tiny prepared corpus (attnzoo-data prepare's layout) for the sweeps on data=shards; one per process."""
     if not _PREPARED:
-        _PREPARED.append(str(text_corpus(Path(tempfile.mkdtemp(prefix="attnzoo-shards-")) / "out")))
+        import atexit
+        import shutil
+
+        folder = tempfile.mkdtemp(prefix="attnzoo-shards-")
+        atexit.register(shutil.rmtree, folder, True)  # removed when the worker exits (was: left in /tmp)
+        _PREPARED.append(str(text_corpus(Path(folder) / "out")))
     return _PREPARED[0]
 
 
