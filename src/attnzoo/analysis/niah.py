@@ -44,15 +44,24 @@ def summarise_cells(cells: dict) -> dict:
     }
 
 
-def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string_match_all)") -> None:
-    """One panel per task: needle depth (rows, 0 = first) x context length (columns), accuracy 0-1 annotated."""
+def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string_match_all)",
+            columns: int | None = None, titles: dict | None = None) -> None:
+    """One panel per task: needle depth (rows, 0 = first) x context length (columns), accuracy 0-1 annotated.
+    `columns`: panels per row (default: all in one row); `titles`: a panel's title per task (default: the task)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(result["accuracy"])
-    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks) + 1.2, 3.4), squeeze=False, sharey=True)
+    ncols = min(columns or len(tasks), len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    fig, grid_axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols + 1.2, 3.4 * nrows), squeeze=False, sharey=True,
+                                  **({"gridspec_kw": {"hspace": 0.55}} if nrows > 1 else {}))
+    flat = [ax for row in grid_axes for ax in row]
+    for ax in flat[len(tasks):]:  # the last row's empty places
+        ax.set_visible(False)
+    axes = [flat]  # the code below reads axes[0]: every panel, in order
     for ax, task in zip(axes[0], tasks):
         cells = result["accuracy"][task]
         lengths = sorted(cells, key=int)
@@ -65,12 +74,14 @@ def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string
             for j, v in enumerate(row):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xlabel("context length (tokens)")
-        ax.set_title(task, fontsize=10)
-    axes[0][0].set_ylabel("needle depth")
-    for ax in axes[0][1:]:  # one depth axis, labelled once (the panels share it)
-        ax.tick_params(labelleft=False)
-    fig.colorbar(im, ax=axes[0].tolist(), label=label)
-    fig.suptitle(title, fontsize=10, y=1.03)
+        ax.set_title((titles or {}).get(task, task), fontsize=10)
+    for i, ax in enumerate(axes[0][:len(tasks)]):  # one depth axis per row, labelled once (the panels share it)
+        if i % ncols:
+            ax.tick_params(labelleft=False)
+        else:
+            ax.set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0][:len(tasks)], label=label, shrink=1.0 if nrows == 1 else 0.6)
+    fig.suptitle(title, fontsize=10, y=1.03 if nrows == 1 else 0.93)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 

@@ -31,10 +31,18 @@ def study(best: list[dict]) -> dict | None:
 
 
 def draw(grids: dict, path: Path) -> None:
-    """One panel per variant: needle depth x context length, accuracy 0-1 on one colour scale."""
+    """One panel per variant (four to a row, titled by the swept values alone): needle depth x context length,
+    accuracy 0-1 on one colour scale."""
     heatmap({"accuracy": {label: g["accuracy"] for label, g in grids.items()}}, path,
             "needle in a haystack: accuracy by needle depth and context length (trained at data.seq_len)",
-            "accuracy (val/acc on the needle's value)")
+            "accuracy (val/acc on the needle's value)", columns=4,
+            titles={label: short(label) for label in grids})
+
+
+def short(label: str) -> str:
+    """A variant's swept values without their keys ('model/mixer=gqa model/position=rope' -> 'gqa, rope')."""
+    parts = label.split(" ")
+    return ", ".join(p.split("=", 1)[1] for p in parts) if all("=" in p for p in parts) else label
 
 
 def _lengths(grids: dict) -> list[str]:
