@@ -57,7 +57,10 @@ def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string
     ncols = min(columns or len(tasks), len(tasks))
     nrows = -(-len(tasks) // ncols)
     fig, grid_axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols + 1.2, 3.4 * nrows), squeeze=False, sharey=True,
-                                  **({"gridspec_kw": {"hspace": 0.55}} if nrows > 1 else {}))
+                                  # several rows: room between them for the panels' titles, and half an inch above
+                                  # the first for the figure's own
+                                  **({"gridspec_kw": {"hspace": 0.55, "top": 1 - 0.55 / (3.4 * nrows)}}
+                                     if nrows > 1 else {}))
     flat = [ax for row in grid_axes for ax in row]
     for ax in flat[len(tasks):]:  # the last row's empty places
         ax.set_visible(False)
@@ -81,7 +84,7 @@ def heatmap(result: dict, path: Path, title: str, label: str = "accuracy (string
         else:
             ax.set_ylabel("needle depth")
     fig.colorbar(im, ax=axes[0][:len(tasks)], label=label, shrink=1.0 if nrows == 1 else 0.6)
-    fig.suptitle(title, fontsize=10, y=1.03 if nrows == 1 else 0.93)
+    fig.suptitle(title, fontsize=10, **({"y": 1.03} if nrows == 1 else {"y": 1 - 0.05 / (3.4 * nrows), "va": "top"}))
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
