@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from attnzoo.distributed.checkpoint_files import step_checkpoint
 from attnzoo.models.flops import peak_flops, train_flops_per_token
 
 
@@ -299,14 +300,12 @@ class KeepSteps(L.Callback):
     """Saves `checkpoints/step-<N>.ckpt` at each of the given optimizer steps (callbacks.branch_budgets: where the
     cooldowns of FLOP budgets start, docs/recipes.md), once each, through the trainer (file or sharded folder)."""
 
-    def __init__(self, dirpath, steps) -> None:
-        self.dirpath = dirpath
+    def __init__(self, run_dir, steps) -> None:
+        self.run_dir = run_dir
         self.steps = set(int(s) for s in steps)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from attnzoo.distributed.checkpoint_files import step_checkpoint
-
         step = trainer.global_step
         if step in self.steps:  # after the optimizer step that reached it (micro-batches after it: not again)
             self.steps.discard(step)
-            trainer.save_checkpoint(step_checkpoint(self.dirpath.parent, step))
+            trainer.save_checkpoint(step_checkpoint(self.run_dir, step))

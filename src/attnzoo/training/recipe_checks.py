@@ -69,8 +69,12 @@ def run_checkpoint(run, steps: int | None = None) -> str | None:
 
 def branch_budget_steps(sched, steps: int) -> int:
     """callbacks.branch_budgets: the step where a budget of `steps` steps starts its cooldown, by this run's
-    scheduler.decay_fraction (a stable run has no decay of its own: decay_steps 0)."""
-    return steps - int(round(sched.decay_fraction * steps))
+    scheduler.decay_fraction (a stable run has no decay of its own, decay_steps 0: the cooldown's is the fraction's)."""
+    import dataclasses
+
+    from attnzoo.training.schedules import decay_steps
+
+    return steps - decay_steps(dataclasses.replace(sched, decay_steps=None), steps)
 
 
 def check_checkpoints(cb: dict) -> None:

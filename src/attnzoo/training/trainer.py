@@ -116,7 +116,7 @@ def build_trainer(parts: dict, out: Path, loggers: list):
         starts = {branch_budget_steps(parts["run"].scheduler,
                                       run_length(None, None, float(c), length.tokens_per_step, length.flops_per_token).steps)
                   for c in budgets}
-        callbacks.append(KeepSteps(out / "checkpoints", {s for s in starts if 0 < s <= length.steps}))
+        callbacks.append(KeepSteps(out, {s for s in starts if 0 < s <= length.steps}))
     if run.perf.profile and global_rank() == 0:  # a torch.profiler trace of a window of steps (training/profiling.py)
         callbacks.append(ProfileWindow(out, run.perf.profile_wait, run.perf.profile_steps))
     monitor = cb_cfg.get("monitor") or "val/loss"
