@@ -19,7 +19,8 @@ from attnzoo.config.registry import MIXERS
 from attnzoo.mixers.recurrent_configs import (FEATURE_MAPS, LOG_DECAY_SCALE, MIN_DECAY,  # noqa: F401 (re-exported)
                                               DeltaNetConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, GLAConfig,
                                               GDN2Config, HGRN2Config, KDAConfig,
-                                              LinearAttentionConfig, Mamba2Config, RetNetConfig, RWKV7Config)
+                                              LinearAttentionConfig, Mamba2Config, Mamba3Config, RetNetConfig,
+                                              RWKV7Config)
 from attnzoo.mixers.spec import MixerSpec, validate_conv  # noqa: F401 (re-exported)
 
 
@@ -258,15 +259,56 @@ class MLAConfig(MixerSpec):
         validate_conv(self, field)
 
 
+# ----------------------------------------------------------------------------- dsa
+
+@dataclass
+class DSAConfig(MLAConfig):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, arXiv:2512.02556; mixers/dsa.py): MLA whose queries each attend
+    their top-k keys by a lightning indexer. The paper's indexer: 64 heads of 128 (64 of them rotary), top-k 2048;
+    the defaults here are sized for the zoo's small models (docs/attention.md, "DeepSeek Sparse Attention")."""
+    context_parallel = False  # the top-k over the whole past: no ring form here
+    full_causal_attention = False
+    name: str = "dsa"
+    index_n_heads: int = 4  # HI, the indexer's query heads (the paper: 64)
+    # DI, the index query / key size; its first qk_rope_head_dim dims rotate. null: 2 * qk_rope_head_dim (the paper's
+    # proportion: 128 = 2 x 64)
+    index_head_dim: Optional[int] = None
+    index_topk: int = 32  # keys each query attends (the paper: 2048 of 128K); >= the sequence: dense attention
+    # weight of the indexer's KL loss to the main attention (the paper's L^I; mean over queries): the only gradient
+    # the indexer gets (its inputs are detached); 0 freezes it at its init
+    index_loss_coef: float = 1.0
+
+    def sizes(self, model) -> dict:
+        s = super().sizes(model)
+        s["index_head_dim"] = 2 * s["qk_rope_head_dim"] if self.index_head_dim is None else self.index_head_dim
+        return s
+
+    def validate(self, model, field: str) -> None:
+        super().validate(model, field)  # every size positive (index_head_dim included), RoPE dims even
+        if self.index_n_heads < 1:
+            raise ConfigError(f"must be >= 1 (index heads), got {self.index_n_heads}", field=f"{field}.index_n_heads")
+        if self.index_topk < 1:
+            raise ConfigError(f"must be >= 1 (keys each query attends), got {self.index_topk}",
+                              field=f"{field}.index_topk")
+        s = self.sizes(model)
+        if s["index_head_dim"] < s["qk_rope_head_dim"]:
+            raise ConfigError(f"{s['index_head_dim']} is less than qk_rope_head_dim={s['qk_rope_head_dim']} (the index "
+                              f"keys' rotary part); allowed: >= {s['qk_rope_head_dim']}", field=f"{field}.index_head_dim")
+        if not (math.isfinite(self.index_loss_coef) and self.index_loss_coef >= 0):
+            raise ConfigError(f"must be >= 0 (0 = the indexer stays at its init), got {self.index_loss_coef}",
+                              field=f"{field}.index_loss_coef")
+
+
 
 # ----------------------------------------------------------------------------- where each class lives
 for _name, _config, _module in (
         ("mha", AttentionConfig, "attention"), ("gqa", AttentionConfig, "attention"), ("mqa", AttentionConfig, "attention"),
         ("sliding_window", SlidingWindowConfig, "attention"), ("moba", MoBAConfig, "moba"), ("nsa", NSAConfig, "nsa"),
-        ("mla", MLAConfig, "mla"), ("fox", ForgettingAttentionConfig, "forgetting"), ("deltanet", DeltaNetConfig, "deltanet"),
+        ("mla", MLAConfig, "mla"), ("dsa", DSAConfig, "dsa"), ("fox", ForgettingAttentionConfig, "forgetting"), ("deltanet", DeltaNetConfig, "deltanet"),
         ("gated_deltanet", GatedDeltaNetConfig, "deltanet"), ("kda", KDAConfig, "kda"), ("gdn2", GDN2Config, "kda"),
         ("gated_deltaproduct", GatedDeltaProductConfig, "deltaproduct"), ("gla", GLAConfig, "gla"), ("hgrn2", HGRN2Config, "hgrn2"),
         ("linear_attention", LinearAttentionConfig, "linear_attention"), ("mamba2", Mamba2Config, "mamba2"),
+        ("mamba3", Mamba3Config, "mamba3"),
         ("retnet", RetNetConfig, "retnet"), ("rwkv7", RWKV7Config, "rwkv7")):
     MIXERS.declare(_name, _config, f"attnzoo.mixers.{_module}")
 # modules of the package that register no mixer

@@ -35,9 +35,15 @@ def ssm_decay_init(n_heads: int, A_init_range, dt_init_range, dt_floor: float) -
     floored at dt_floor, dt_bias = softplus^-1(dt) = dt + log(1 - e^-dt)."""
     lo, hi = A_init_range
     A_log = torch.empty(n_heads).uniform_(lo, hi).log()
+    return A_log, dt_bias_init(n_heads, dt_init_range, dt_floor)
+
+
+def dt_bias_init(n_heads: int, dt_init_range, dt_floor: float) -> torch.Tensor:
+    """dt_bias (n_heads,) as mamba_ssm's Mamba2 / Mamba3: dt ~ logU(dt_init_range) floored at dt_floor,
+    dt_bias = softplus^-1(dt) = dt + log(1 - e^-dt)."""
     lo, hi = dt_init_range
     dt = torch.exp(torch.rand(n_heads) * (math.log(hi) - math.log(lo)) + math.log(lo)).clamp(min=dt_floor)
-    return A_log, dt + torch.log(-torch.expm1(-dt))
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 class GroupGatedRMSNorm(nn.Module):

@@ -142,10 +142,17 @@ class MLA(Mixer):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return self.rope(x, None, cos_sin)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x (B, T, d) -> q_nope (B, H, T, dn), q_rope (B, H, T, dr), latent (B, T, r + dr) = [c_kv | k_rope]."""
+    def query_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) -> what the per-head query projection reads: the normed query latent c_q (B, T, q_lora_rank),
+        or x itself without one (DSA's indexer reads it too: mixers/dsa.py)."""
+        return x if self.q_lora_rank is None else self.q_a_norm(self.q_a_proj(x))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, q_in: Optional[torch.Tensor] = None):
+        """x (B, T, d) -> q_nope (B, H, T, dn), q_rope (B, H, T, dr), latent (B, T, r + dr) = [c_kv | k_rope].
+        q_in: `query_input(x)` when the caller has it already."""
         B, T, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_in = self.query_input(x) if q_in is None else q_in
+        q = self.q_proj(q_in) if self.q_lora_rank is None else self.q_b_proj(q_in)
         q = q.view(B, T, self.n_heads, self.dn + self.dr).transpose(1, 2)  # (B, H, T, dn + dr)
         q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)  # (B, T, r), (B, T, dr)
@@ -176,7 +183,9 @@ class MLA(Mixer):
                 return attention_reference(q, k, v, mask=visible[:, None], scale=self.scale)
             E = q.shape[-1]
             v = F.pad(v, (0, E - self.dv)) if self.dv < E else v
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale)[..., : self.dv]
+            p = self.dropout if self.training else 0.0  # a training forward with a mask of its own (DSA's top-k)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale,
+                                                  dropout_p=p)[..., : self.dv]
         if self.impl == "reference":
             mask = attention_mask(T, S, causal=True, device=q.device)
             return attention_reference(q, k, v, mask=mask, scale=self.scale)

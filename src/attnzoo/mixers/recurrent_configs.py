@@ -1,5 +1,5 @@
-"""The recurrent mixers' config dataclasses (linear attention, DeltaNet, Gated DeltaNet, GLA, HGRN2, Mamba-2, RetNet,
-RWKV-7), torch-free: declared with the others in mixers/configs.py.
+"""The recurrent mixers' config dataclasses (linear attention, DeltaNet, Gated DeltaNet, GLA, HGRN2, Mamba-2, Mamba-3,
+RetNet, RWKV-7), torch-free: declared with the others in mixers/configs.py.
 """
 from __future__ import annotations
 
@@ -246,6 +246,70 @@ class Mamba2Config(MixerSpec):
             raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
         check_init_ranges(self, field)
         if not (self.dt_init_floor >= 0 and math.isfinite(self.dt_init_floor)):  # NaN too
+            raise ConfigError(f"must be >= 0, got {self.dt_init_floor}; allowed: a finite number >= 0 (1e-4: "
+                              f"mamba_ssm's)", field=f"{field}.dt_init_floor")
+        validate_conv(self, field)
+
+
+
+# ----------------------------------------------------------------------------- mamba3
+
+@dataclass
+class Mamba3Config(MixerSpec):
+    """Mamba-3 (Lahoti et al. 2026, arXiv:2603.15569; mixers/mamba3.py). The paper's code defaults are in
+    conf/model/mixer/mamba3.yaml beside the zoo's."""
+    # the trapezoid's previous-token term and the state's rotation cross a shard boundary: no sharded form here
+    context_parallel = False
+    fla_kernel = None  # fla-core 0.6.0 ships no Mamba-3 op: the torch chunkwise form everywhere
+    name: str = "mamba3"
+    expand: int = 2  # d_inner = expand * d_model (x and the gate z)
+    head_dim: Optional[int] = None  # P, channels per head (null: model head_dim); n_heads = d_inner / P
+    d_state: int = 64  # N: each head's state is N x P; B and C are N wide per group and rank
+    n_groups: int = 1  # B and C groups, each shared by n_heads / n_groups heads
+    mimo_rank: int = 1  # R: inputs / outputs per head (1: SISO; the paper's MIMO: 4)
+    rope_fraction: float = 0.5  # share of the d_state channels rotated (in pairs); 0: a real state (no rotation)
+    trapezoid: bool = True  # exponential-trapezoidal rule (lambda = sigmoid(W x)); false: exponential-Euler (lambda 1)
+    chunk_size: int = 64  # chunkwise form's chunk length (in tokens; the scores are (C R) x (C R))
+    conv_size: int = 0  # causal depthwise conv on [C | B | x] (Mamba-3 drops Mamba-2's); 0 = off
+    conv_bias: bool = False
+    A_floor: float = 1e-4  # A_t = -softplus(W_A x) <= -A_floor
+    dt_init_range: List[float] = field(default_factory=lambda: [0.001, 0.1])  # softplus(dt_bias) ~ logU(range)
+    dt_init_floor: float = 1e-4  # the sampled dt floored here before the inverse softplus
+    use_output_norm: bool = False  # RMSNorm per head before the gate (mamba_ssm's is_outproj_norm)
+    norm_eps: float = 1e-5  # the B / C RMSNorms' (and the output norm's)
+
+    def sizes(self, model) -> tuple[int, int, int]:
+        """(n_heads, head_dim P, d_state N)."""
+        p = self.head_dim or model.head_dim
+        return self.expand * model.d_model // p, p, self.d_state
+
+    def n_angles(self) -> int:
+        """Rotation angles A per token (pairs of state channels rotated): mamba_ssm's int(N * rope_fraction) rounded
+        down to even, halved."""
+        rotated = int(self.d_state * self.rope_fraction)
+        return (rotated - rotated % 2) // 2
+
+    def validate(self, model, field: str) -> None:
+        for key in ("expand", "d_state", "n_groups", "mimo_rank", "chunk_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
+        p = self.head_dim or model.head_dim
+        inner = self.expand * model.d_model
+        if p < 1 or inner % p:
+            raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
+        if (inner // p) % self.n_groups:
+            raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
+        if not 0.0 <= self.rope_fraction <= 1.0:  # NaN too
+            raise ConfigError(f"must be in [0, 1], got {self.rope_fraction}; allowed: 0 (no rotation), 0.5 (the "
+                              f"paper's), 1.0", field=f"{field}.rope_fraction")
+        if not (self.A_floor >= 0 and math.isfinite(self.A_floor)):
+            raise ConfigError(f"must be >= 0, got {self.A_floor}; allowed: a finite number >= 0 (1e-4: mamba_ssm's)",
+                              field=f"{field}.A_floor")
+        span = list(self.dt_init_range)
+        if not (len(span) == 2 and all(math.isfinite(v) for v in span) and 0 < span[0] <= span[1]):
+            raise ConfigError(f"must be [low, high] with 0 < low <= high, got {span}; allowed: two finite numbers, "
+                              f"e.g. [0.001, 0.1]", field=f"{field}.dt_init_range")
+        if not (self.dt_init_floor >= 0 and math.isfinite(self.dt_init_floor)):
             raise ConfigError(f"must be >= 0, got {self.dt_init_floor}; allowed: a finite number >= 0 (1e-4: "
                               f"mamba_ssm's)", field=f"{field}.dt_init_floor")
         validate_conv(self, field)
