@@ -311,7 +311,6 @@ def test_decode_reads_the_topk_latents_and_every_index_key():
 
 
 @pytest.mark.parametrize("override, field, phrase", [
-    ("model.mixer.index_topk=0", "model.layers[0].mixer.index_topk", "must be >= 1"),
     ("model.mixer.index_n_heads=0", "model.layers[0].mixer.index_n_heads", "must be >= 1"),
     ("model.mixer.index_head_dim=2", "model.layers[0].mixer.index_head_dim", "less than qk_rope_head_dim=4"),
     ("model.mixer.index_head_dim=0", "model.layers[0].mixer.index_head_dim", "must be positive"),
