@@ -225,8 +225,8 @@ def test_every_static_mixer_compiles_to_the_full_forward(name):
     """Every mixer with a static cache through dynamo + AOTAutograd (aot_eager: the graph capture and the
     functionalization of the in-place cache writes, which is where a compiled decode goes wrong, without inductor's
     C++ compile): prompts of two lengths prefilled per row, then 6 compiled steps, fp64, equal to each row's full
-    forward (1e-10)."""
-    m = build(mixer_cfg(name)).double()
+    forward (1e-10). One layer (dynamo traces each layer again), two where a layer hands the next one a carry."""
+    m = build(mixer_cfg(name), n_layers=2 if MIXERS.get(mixer_cfg(name)["name"]).cls.carries else 1).double()
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, V, (1, n), generator=g) for n in (9, 14)]
     cache = m.new_static_cache(2, 32, torch.float64)
