@@ -3,19 +3,20 @@
 its written-out reference (fp64, a cache's chunk and a document mask); the tie rule; the indexer's KL loss; the
 mixer's fast form == its reference, cached / static decode == full forward, packing, cache bytes, FLOPs exactly, with
 a top-k small enough that selection really chooses (the default 32 holds every position the generic contract tests
-reach); top-k >= the sequence == dense MLA; transformers' DeepseekV32Attention (and the whole DeepseekV32ForCausalLM)
-on copied weights; bad values refused in one line."""
+reach); top-k >= the sequence == dense MLA; transformers' DeepseekV32Attention and DeepseekV32ForCausalLM on copied
+weights, and through interop/hf (import, export, refusals); bad values refused in one line."""
 import copy
 
 import pytest
 import torch
 
 from attnzoo.config.schema import ConfigError
+from attnzoo.interop import hf as interop
 from attnzoo.models.decoder import DecoderLM
 from attnzoo.ops.dsa import (dsa_attention, dsa_attention_reference, index_scores, indexer_kl, select_topk,
                              topk_slots)
 from attnzoo.ops.packing import Documents
-from tests.conftest import assert_grads_close, gap_atol, outputs_and_grads, tiny_model_cfg
+from tests.conftest import assert_grads_close, fp32_atol, gap_atol, outputs_and_grads, tiny_model_cfg
 from tests.test_delta_rule import _fla_naive
 
 V = 64
@@ -335,13 +336,13 @@ HF_SIZES = dict(q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_hea
 HF_MIXER = {"name": "dsa", "rope_interleave": True, **HF_SIZES}  # V3.2's main RoPE is interleaved
 
 
-def _hf_config(layers: int):
+def _hf_config(layers: int, **over):
     transformers = pytest.importorskip("transformers")
     from tests.test_hf_parity_attention import hf_common
 
     cfg = transformers.DeepseekV32Config(**{**hf_common(), "num_hidden_layers": layers, "num_key_value_heads": 4},
-                                         first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
-                                         n_group=1, topk_group=1, **HF_SIZES)
+                                         **{"first_k_dense_replace": layers, "n_routed_experts": 4,
+                                            "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **HF_SIZES, **over})
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -412,8 +413,6 @@ def v32_pair():
 def test_whole_model_logits_equal_deepseek_v32_for_causal_lm(v32_pair):
     """DeepseekV32ForCausalLM (2 layers, dense MLPs) and ours on its weights: logits of a 20-token prompt (past the
     top-k of 5) within 10x our fp32-vs-fp64 gap."""
-    from tests.conftest import fp32_atol
-
     ours, hf = v32_pair
     idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -432,3 +431,69 @@ def test_greedy_tokens_equal_deepseek_v32(v32_pair):
     with torch.no_grad():
         ref = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(idx, 12, temperature=0.0), ref)
+
+
+
+# ----------------------------------------------------------------------------- interop/hf: DeepseekV32ForCausalLM
+
+def test_v32_checkpoint_imports_with_transformers_logits(tmp_path):
+    """A saved DeepseekV32ForCausalLM (layer 1 MoE: 2 routing groups, a shared expert, a non-zero selection bias)
+    imported as model.init_from does (config_from_hf + load_hf_weights): dsa layers whose logits of a 20-token prompt
+    (past the top-k of 5) equal transformers' within 10x our fp32-vs-fp64 gap."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf_io import import_dir
+
+    torch.manual_seed(0)
+    ref = transformers.DeepseekV32ForCausalLM(_hf_config(2, first_k_dense_replace=1, n_group=2, n_shared_experts=1,
+                                                         moe_intermediate_size=16, routed_scaling_factor=2.5,
+                                                         experts_implementation="eager")).eval()
+    _widen(ref)
+    ref.model.layers[1].mlp.gate.e_score_correction_bias.data.normal_(0.0, 0.1)  # a selection bias to carry over
+    ref.save_pretrained(tmp_path)
+    ours = import_dir(tmp_path)
+    assert [type(m).__name__ for m in ours.mixers] == ["DeepSeekSparseAttention"] * 2 and ours.mixers[0].index_topk == 5
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=idx, use_cache=False).logits
+    got, atol = fp32_atol(ours, lambda m: m(idx))
+    assert want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+
+
+def test_export_to_deepseek_v32_and_back(tmp_path):
+    """A dsa + MoE model exported (attnzoo-export's export_model): DeepseekV32ForCausalLM, whose logits (transformers'
+    own loader, its default SDPA) equal ours within the fp32 gap; imported back, every tensor exactly ours."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf_io import import_dir, our_model
+
+    ffn = {"name": "moe", "n_experts": 4, "top_k": 2, "d_ff": 16, "scoring": "sigmoid", "n_group": 2, "topk_group": 1,
+           "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense": 1, "dense_d_ff": 48}
+    ours = our_model({"d_model": 32, "n_layers": 2, "n_heads": 4, "tie_embeddings": False, "mixer": HF_MIXER,
+                      "ffn": ffn})  # widened, with a non-zero selection bias
+    config = interop.export_model(ours, tmp_path)
+    assert config["architectures"] == ["DeepseekV32ForCausalLM"] and config["mlp_layer_types"] == ["dense", "sparse"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(2))
+    want, atol = fp32_atol(ours, lambda m: m(idx))
+    got = theirs(input_ids=idx, use_cache=False).logits.detach()
+    assert type(theirs).__name__ == "DeepseekV32ForCausalLM" and want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+    again = import_dir(tmp_path).state_dict()
+    for k, v in ours.state_dict().items():
+        assert torch.equal(again[k], v), k
+
+
+@pytest.mark.parametrize("mixer, field", [({"q_lora_rank": None}, "model.mixer.q_lora_rank"),
+                                          ({"rope_interleave": False}, "model.mixer.rope_interleave")])
+def test_export_refuses_what_v32_cannot_hold(mixer, field, tmp_path):
+    """V3.2's attention always has q_a_proj and an interleaved main RoPE: anything else is refused in one line; so is
+    a config.json whose dense layers are not the first k."""
+    model = DecoderLM({"d_model": 32, "n_layers": 1, "n_heads": 4, "mixer": {**HF_MIXER, **mixer}}, vocab_size=V)
+    with pytest.raises(ConfigError) as e:
+        interop.export_model(model, tmp_path / "out")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(field) and "DeepSeek-V3.2" in msg, msg
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError) as e:
+        interop.config_from_hf({**_hf_config(2).to_dict(), "mlp_layer_types": ["sparse", "dense"]})
+    assert str(e.value).startswith("config.json:mlp_layer_types") and "\n" not in str(e.value), str(e.value)

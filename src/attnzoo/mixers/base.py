@@ -265,7 +265,9 @@ HF_FULL_ATTENTION = "full_attention"  # Llama, Qwen2 / Qwen3 (-MoE), Mixtral; Qw
 HF_SLIDING_ATTENTION = "sliding_attention"  # Mistral (and Mixtral) with a window
 HF_LINEAR_ATTENTION = "linear_attention"  # Qwen3-Next's Gated DeltaNet layers
 HF_LATENT_ATTENTION = "latent_attention"  # DeepSeek-V3's MLA (transformers names no layer type for it)
-HF_LAYERS = (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, HF_LINEAR_ATTENTION, HF_LATENT_ATTENTION)
+HF_SPARSE_LATENT_ATTENTION = "indexed_attention"  # DeepSeek-V3.2's DSA (MLA + lightning indexer), its layer_types word
+HF_LAYERS = (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, HF_LINEAR_ATTENTION, HF_LATENT_ATTENTION,
+             HF_SPARSE_LATENT_ATTENTION)
 HF_WINDOW_FIELD = "sliding_window"  # config.json's window size (Mistral, Mixtral; null in Qwen2 / Qwen3)
 
 

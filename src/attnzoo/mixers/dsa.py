@@ -10,6 +10,8 @@ lightning indexer (ops/dsa.py holds the math and the reference form):
 
 The layout is transformers' `DeepseekV32Indexer` (tests/test_dsa.py matches its attention module on copied
 weights): the indexer's RoPE is rotate-half whatever MLA's `rope_interleave`, on the first qk_rope_head_dim dims.
+A model whose every layer is dsa imports from and exports to transformers' DeepseekV32ForCausalLM (interop/hf,
+`model.init_from` / attnzoo-export; V3.2 needs a q_lora_rank and rope_interleave=true).
 
 Training signal. The top-k is a selection, not differentiable: the main attention's gradient never reaches the
 indexer. As the paper, the indexer learns from its own loss only (`index_loss_coef` x `indexer_kl`, left in
@@ -36,7 +38,7 @@ from torch import nn
 
 from attnzoo.config.registry import register_mixer
 from attnzoo.layers import aux_loss as hooks
-from attnzoo.mixers.base import causal_attended, dtype_bytes
+from attnzoo.mixers.base import HF_SPARSE_LATENT_ATTENTION, causal_attended, dtype_bytes
 from attnzoo.mixers.configs import DSAConfig  # noqa: F401 (torch-free: config checks)
 from attnzoo.mixers.mla import MLA, LatentCache, StaticLatentCache
 from attnzoo.ops.dsa import (causal_visible, dsa_attention_reference, index_scores, indexer_kl, select_topk,
@@ -105,9 +107,7 @@ class LightningIndexer(nn.Module):
 @register_mixer("dsa", DSAConfig)
 class DeepSeekSparseAttention(MLA):
     SHAPE_FIELDS = MLA.SHAPE_FIELDS + ("index_n_heads", "index_head_dim", "index_topk")
-    hf_layer = None
-    hf_missing = ("transformers' DeepseekV32 counterpart is not wired into interop/hf (its attention module is "
-                  "matched on copied weights in tests/test_dsa.py)")
+    hf_layer = HF_SPARSE_LATENT_ATTENTION  # DeepSeek-V3.2 (interop/hf: DeepseekV32ForCausalLM)
     packing = "native"  # the document mask bounds the selection as it bounds the attention
 
     def __init__(self, cfg: DSAConfig, model_cfg, layer_idx: int):

@@ -18,6 +18,7 @@ Architectures (docs/hf.md has the table, the measured parity and the departures)
     MistralForCausalLM        sliding_window + swiglu          (sliding_window: null imports as gqa)
     MixtralForCausalLM        gqa / sliding_window + moe (softmax top-k, renormalised)
     DeepseekV3ForCausalLM     mla + swiglu / moe (sigmoid, groups, shared experts, first_k_dense, bias)
+    DeepseekV32ForCausalLM    dsa (q_lora_rank, rope_interleave; its indexer) + DeepSeek-V3's swiglu / moe
     Qwen3NextForCausalLM      gated_deltanet in every layer, or GDN + attention (qk_norm, output_gate) hybrids
                               + swiglu / moe (gated shared expert)
     Mamba2ForCausalLM         mamba2 in every layer, no FFN, no positions

@@ -11,7 +11,7 @@ from typing import Optional
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import MIXERS
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
-                                 Mixer)
+                                 HF_SPARSE_LATENT_ATTENTION, Mixer)
 from attnzoo.models.decoder import DecoderLM
 
 FIELD = "model.init_from"
@@ -37,6 +37,8 @@ QWEN2 = Arch("qwen2", "Qwen2ForCausalLM")
 MISTRAL = Arch("mistral", "MistralForCausalLM")
 MIXTRAL = Arch("mixtral", "MixtralForCausalLM", moe_prefix="block_sparse_moe.", expert_names=("w1", "w3", "w2"))
 DEEPSEEK_V3 = Arch("deepseek_v3", "DeepseekV3ForCausalLM", shared_prefix="shared_experts.")
+DEEPSEEK_V32 = Arch("deepseek_v32", "DeepseekV32ForCausalLM", shared_prefix="shared_experts.")  # V3 + DSA indexer
+DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V32)  # one MoE (sigmoid, groups, selection bias, ungated shared experts)
 QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
 QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
 QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
@@ -50,7 +52,8 @@ class _Mamba2Arch(Arch):
 
 
 MAMBA2 = _Mamba2Arch()
-ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, QWEN3_NEXT, QWEN3, QWEN3_MOE, MAMBA2)}
+ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, QWEN3_NEXT, QWEN3,
+                                   QWEN3_MOE, MAMBA2)}
 
 # model types people will try that attnzoo cannot represent exactly, and the missing feature
 MISSING = {
@@ -103,10 +106,10 @@ def _check_moe(model, arch: Arch) -> None:
         raise _no(f"{field}.expert_type", f"{f.expert_type} experts (transformers' are SiLU-gated)")
     if f.capacity_factor is not None:
         raise _no(f"{field}.capacity_factor", f"{f.capacity_factor} drops tokens (transformers' MoE are dropless)")
-    want = "sigmoid" if arch is DEEPSEEK_V3 else "softmax"
+    want = "sigmoid" if arch in DEEPSEEK else "softmax"
     if f.scoring != want:
         raise _no(f"{field}.scoring", f"{f.scoring} routing ({arch.cls} routes by {want})")
-    if arch is not DEEPSEEK_V3:
+    if arch not in DEEPSEEK:
         if f.routed_scaling_factor != 1.0:
             raise _no(f"{field}.routed_scaling_factor", f"{f.routed_scaling_factor} ({arch.cls} has none)")
         if (f.n_group or 1) != 1 or (f.topk_group or 1) != 1:
@@ -120,12 +123,12 @@ def _check_moe(model, arch: Arch) -> None:
             raise _no(f"{field}.norm_topk_prob", "false (Mixtral renormalises the top-k weights)")
         if f.first_k_dense:
             raise _no(f"{field}.first_k_dense", f"{f.first_k_dense} dense layers (Mixtral has none)")
-    if arch is DEEPSEEK_V3:
+    if arch in DEEPSEEK:
         if moe.shared_gate is not None:
-            raise _no(f"{field}.shared_expert_gate", "true (DeepSeek-V3's shared experts are ungated)")
+            raise _no(f"{field}.shared_expert_gate", "true (DeepSeek-V3's and V3.2's shared experts are ungated)")
         if moe.shared is not None and moe.shared.hidden != f.n_shared_experts * moe.hidden:
-            raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} (DeepSeek-V3's is n_shared_experts * d_ff = "
-                      f"{f.n_shared_experts * moe.hidden})")
+            raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} (DeepSeek-V3's and V3.2's is n_shared_experts * "
+                      f"d_ff = {f.n_shared_experts * moe.hidden})")
     if arch is QWEN3_MOE and moe.shared is not None:
         raise _no(f"{field}.n_shared_experts", "shared experts (Qwen3-MoE has none)")
     if arch is QWEN3_NEXT and (moe.shared is None or moe.shared_gate is None):
@@ -269,15 +272,21 @@ def arch_for(model) -> Arch:
             raise _no(f"{field}.out_bias", "true without qkv_bias (Llama biases all four projections, Qwen2 q/k/v "
                       "only)")
         return LLAMA
-    if layer == HF_LATENT_ATTENTION:
+    if layer in (HF_LATENT_ATTENTION, HF_SPARSE_LATENT_ATTENTION):  # DeepSeek-V3 (mla), V3.2 (dsa)
+        arch = DEEPSEEK_V3 if layer == HF_LATENT_ATTENTION else DEEPSEEK_V32
         _check_rope(cfg, ("none",))
         if mc.norm_eps != 1e-6:
-            raise _no(f"{field}.norm_eps", f"{mc.norm_eps} (DeepSeek-V3's latent RMSNorms use 1e-6)")
+            raise _no(f"{field}.norm_eps", f"{mc.norm_eps} (DeepSeek-V3's and V3.2's latent RMSNorms use 1e-6)")
+        if arch is DEEPSEEK_V32 and mc.q_lora_rank is None:
+            raise _no(f"{field}.q_lora_rank", "null (DeepSeek-V3.2's attention and indexer read a query latent: "
+                      "q_a_proj is always there; allowed: a rank)")
+        if arch is DEEPSEEK_V32 and not mc.rope_interleave:
+            raise _no(f"{field}.rope_interleave", "false (DeepSeek-V3.2's main RoPE is interleaved; allowed: true)")
         if mlp_bias:
-            raise _no("model.ffn.bias", "true (DeepSeek-V3's MLP has no bias)")
+            raise _no("model.ffn.bias", "true (DeepSeek-V3's and V3.2's MLPs have no bias)")
         if ffn == "moe":
-            _check_moe(model, DEEPSEEK_V3)
-        return DEEPSEEK_V3
+            _check_moe(model, arch)
+        return arch
     if layer == HF_LINEAR_ATTENTION:
         if cfg.position.name not in ("none", "rope"):
             raise _no("model.position.name", f"{cfg.position.name} embeddings (Qwen3-Next adds none)")

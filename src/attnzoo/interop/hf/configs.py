@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import (DEEPSEEK_V3, LLAMA, MAMBA2, MISSING, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE,
-                                      QWEN3_NEXT, _dense_of, _moe_of, arch_for, mixer_class)
+from attnzoo.interop.hf.archs import (DEEPSEEK, DEEPSEEK_V3, DEEPSEEK_V32, LLAMA, MAMBA2, MISSING, MISTRAL, MIXTRAL,
+                                      QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, _dense_of, _moe_of, arch_for, mixer_class)
 from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
-                                 HF_WINDOW_FIELD)
+                                 HF_SPARSE_LATENT_ATTENTION, HF_WINDOW_FIELD)
 
 
 # ----------------------------------------------------------------------------- import: config.json -> model section
@@ -155,6 +155,26 @@ def _deepseek_v3(c: dict) -> dict:
     return m
 
 
+def _deepseek_v32(c: dict) -> dict:
+    """DeepSeek-V3.2: DeepSeek-V3 (its MoE, its RoPE rules) whose every layer is DSA, the main RoPE always interleaved
+    (config.json has no rope_interleave), the query always through q_a_proj; `mlp_layer_types` (when given) decides
+    the dense layers, which attnzoo has as the first k."""
+    if c.get("q_lora_rank") is None:
+        raise _refuse("q_lora_rank", "null (DeepSeek-V3.2's attention and indexer read a query latent; allowed: a rank)")
+    types = c.get("layer_types")
+    if types and set(types) != {HF_SPARSE_LATENT_ATTENTION}:
+        raise _refuse("layer_types", f"{sorted(set(types))} (imported: {HF_SPARSE_LATENT_ATTENTION} only)")
+    n = c["num_hidden_layers"]
+    k = min(int(c.get("first_k_dense_replace", 3)), n)  # transformers' default: 3
+    mlp = list(c.get("mlp_layer_types") or ["dense"] * k + ["sparse"] * (n - k))
+    k = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
+    if mlp != ["dense"] * k + ["sparse"] * (n - k):
+        raise _refuse("mlp_layer_types", f"{mlp} (attnzoo's dense layers are the first k: k x dense, then sparse)")
+    m = _deepseek_v3({**c, "first_k_dense_replace": k})
+    m["mixer"] = mixer_class(HF_SPARSE_LATENT_ATTENTION).hf_mixer_config(c)
+    return m
+
+
 def _qwen3_next(c: dict) -> dict:
     """Gated DeltaNet layers, and full-attention layers (q/k RMSNorm, sigmoid output gate, partial rotary) where
     `layer_types` has them: model.pattern tiles the shortest period of layer_types, [gdn, ..., attn]."""
@@ -226,7 +246,7 @@ def _mamba2(c: dict) -> dict:
 
 IMPORTERS: dict[str, Callable[[dict], dict]] = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
+    "deepseek_v3": _deepseek_v3, "deepseek_v32": _deepseek_v32, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
     MAMBA2.model_type: _mamba2,
 }
 
@@ -298,10 +318,14 @@ def hf_config(model) -> dict:
     if arch is MIXTRAL:
         c.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k, router_jitter_noise=0.0,
                  output_router_logits=False)
-    if arch is DEEPSEEK_V3:
+    if arch in DEEPSEEK:
         c.update(num_key_value_heads=cfg.n_heads, head_dim=m.dr, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                 qk_nope_head_dim=m.dn, qk_rope_head_dim=m.dr, v_head_dim=m.dv, rope_interleave=mc.rope_interleave,
-                 attention_bias=mc.bias)
+                 qk_nope_head_dim=m.dn, qk_rope_head_dim=m.dr, v_head_dim=m.dv, attention_bias=mc.bias)
+        if arch is DEEPSEEK_V3:
+            c["rope_interleave"] = mc.rope_interleave
+        else:  # V3.2's main RoPE is always interleaved (archs.arch_for refuses anything else): no such field
+            c.update(index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim, index_topk=m.index_topk,
+                     layer_types=[HF_SPARSE_LATENT_ATTENTION] * cfg.n_layers)
         if moe is None:  # every layer dense; a valid (unused) router description
             c.update(first_k_dense_replace=cfg.n_layers, n_routed_experts=1, num_experts_per_tok=1, n_group=1,
                      topk_group=1, moe_intermediate_size=dense.hidden, n_shared_experts=0)
@@ -312,6 +336,9 @@ def hf_config(model) -> dict:
                      moe_intermediate_size=moe.hidden,
                      n_shared_experts=f.n_shared_experts if moe.shared is not None else 0,
                      routed_scaling_factor=f.routed_scaling_factor, norm_topk_prob=f.norm_topk_prob)
+        if arch is DEEPSEEK_V32:  # written out, so that no default decides the dense layers
+            k = c["first_k_dense_replace"]
+            c["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.n_layers - k)
     if arch is QWEN3_NEXT:
         g = next(x for x in model.mixers if x.hf_layer == HF_LINEAR_ATTENTION)
         c.update(layer_types=[x.hf_layer for x in model.mixers], linear_num_key_heads=g.n_qk_heads,

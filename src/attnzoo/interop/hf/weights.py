@@ -10,8 +10,8 @@ from typing import Callable
 import torch
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import (DEEPSEEK_V3, FIELD, LLAMA, MAMBA2, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE,
-                                      QWEN3_NEXT, Arch, arch_for)
+from attnzoo.interop.hf.archs import (DEEPSEEK, DEEPSEEK_V3, DEEPSEEK_V32, FIELD, LLAMA, MAMBA2, MISTRAL, MIXTRAL,
+                                      QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, Arch, arch_for)
 from attnzoo.mixers.base import HF_LINEAR_ATTENTION
 
 
@@ -126,6 +126,8 @@ MLA_NAMES = {"kv_a_proj": "kv_a_proj_with_mqa", "q_a_norm": "q_a_layernorm", "kv
 
 
 def _mla_rules(m, o: str, h: str) -> list:
+    """MLA (DeepSeek-V3) and DSA (V3.2): self_attn.<name> per tensor, three renamed; DSA's indexer.{wq_b, wk,
+    k_norm, weights_proj} are named as transformers' DeepseekV32Indexer."""
     rules = []
     for name in m.state_dict():
         mod, _, leaf = name.rpartition(".")
@@ -199,7 +201,7 @@ def _moe_rules(f, o: str, h: str, arch: Arch) -> list:
         Rule((o + "w_down",), down_keys, lambda t: [torch.stack(t).transpose(1, 2)],
              lambda t: list(t[0].transpose(1, 2).unbind(0))),
     ]
-    if arch is DEEPSEEK_V3:
+    if arch in DEEPSEEK:
         rules.append(_same(o + "expert_bias", h + "gate.e_score_correction_bias"))
     else:  # no selection bias in the checkpoint: zeros (export refuses a non-zero one)
         rules.append(Rule((o + "expert_bias",), (), lambda t: [torch.zeros(E)], lambda t: []))
@@ -263,8 +265,8 @@ def _rules(model, arch: Arch) -> list:
     if not model.cfg.tie_embeddings:
         rules.append(_same("lm_head.weight", "lm_head.weight"))
     mixer_rules = {LLAMA: _attention_rules, QWEN2: _attention_rules, MISTRAL: _attention_rules,
-                   MIXTRAL: _attention_rules, DEEPSEEK_V3: _mla_rules, QWEN3_NEXT: _gdn_rules, QWEN3: _attention_rules,
-                   QWEN3_MOE: _attention_rules}[arch]
+                   MIXTRAL: _attention_rules, DEEPSEEK_V3: _mla_rules, DEEPSEEK_V32: _mla_rules, QWEN3_NEXT: _gdn_rules,
+                   QWEN3: _attention_rules, QWEN3_MOE: _attention_rules}[arch]
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"model.layers.{i}."
         rules += [_same(o + "norm1.weight", h + "input_layernorm.weight", off),
