@@ -2,7 +2,9 @@
 
 A submodule may define any of: a tensor attribute `aux_loss` left by its last forward (added to the
 training loss), `stats() -> {name: tensor}` (logged, averaged over layers under one name), and
-`after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias).
+`after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias) and
+`set_train_step(step)` (called before every training batch with the optimizer steps taken so far, e.g. DSA's dense
+warm-up).
 `DecoderLM`, the encoder-decoder and the LightningModules all use these, so no model family can
 forget one (the MoE loss silently absent from the loss).
 
@@ -64,3 +66,11 @@ def after_optimizer_step(model: nn.Module) -> None:
     for m in _children(model):
         if callable(getattr(m, "after_optimizer_step", None)):
             m.after_optimizer_step()
+
+
+def set_train_step(model: nn.Module, step: int) -> None:
+    """Tell the submodules whose training depends on the step which optimizer step the next batch trains (the
+    trainer's global_step: a resumed run continues from its own)."""
+    for m in _children(model):
+        if callable(getattr(m, "set_train_step", None)):
+            m.set_train_step(step)

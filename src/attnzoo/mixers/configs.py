@@ -277,6 +277,10 @@ class DSAConfig(MLAConfig):
     # weight of the indexer's KL loss to the main attention (the paper's L^I; mean over queries): the only gradient
     # the indexer gets (its inputs are detached); 0 freezes it at its init
     index_loss_coef: float = 1.0
+    # optimizer steps at the start of training with dense attention and the indexer's KL over every key (the paper's
+    # dense warm-up, Eq. 3, here with the rest of the model training too), then the top-k; validation and decoding
+    # always use the top-k. 0: sparse from the first step
+    index_warmup_steps: int = 0
 
     def sizes(self, model) -> dict:
         s = super().sizes(model)
@@ -294,6 +298,9 @@ class DSAConfig(MLAConfig):
         if s["index_head_dim"] < s["qk_rope_head_dim"]:
             raise ConfigError(f"{s['index_head_dim']} is less than qk_rope_head_dim={s['qk_rope_head_dim']} (the index "
                               f"keys' rotary part); allowed: >= {s['qk_rope_head_dim']}", field=f"{field}.index_head_dim")
+        if self.index_warmup_steps < 0:
+            raise ConfigError(f"must be >= 0 (0 = sparse from the first step), got {self.index_warmup_steps}",
+                              field=f"{field}.index_warmup_steps")
         if not (math.isfinite(self.index_loss_coef) and self.index_loss_coef >= 0):
             raise ConfigError(f"must be >= 0 (0 = the indexer stays at its init), got {self.index_loss_coef}",
                               field=f"{field}.index_loss_coef")

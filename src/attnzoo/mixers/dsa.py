@@ -20,7 +20,10 @@ summed over heads and L1-normalised || softmax of the index scores), over the se
 stage, Eq. 4; with index_topk >= the sequence, every causal key: its dense warm-up, Eq. 3), with the indexer's
 inputs detached so that the loss trains the indexer alone and the language-model loss the rest. The KL is averaged
 over queries (the paper sums) and logged as `dsa/indexer_kl`. index_loss_coef=0 freezes the indexer at its init
-(transformers runs its indexer under no_grad). The warm-up's frozen main model is not offered.
+(transformers runs its indexer under no_grad). `index_warmup_steps` N: the first N optimizer steps train dense
+(every visible key, the KL over all of them: the paper's warm-up stage), then the top-k applies; the trainer says
+the step before each batch (`set_train_step`, layers/aux_loss.py), so a resumed run continues where it was.
+Validation and decoding always use the top-k. The warm-up's frozen main model is not offered (everything trains).
 
 Forms: fast (dense index scores, the top-k as a boolean mask over MLA's SDPA; a one-token cached step gathers its
 k latents and attends over them only), reference (ops/dsa.dsa_attention_reference on the expanded K/V: each query
@@ -120,12 +123,18 @@ class DeepSeekSparseAttention(MLA):
             self.indexer.requires_grad_(False)
         self.aux_loss: Optional[torch.Tensor] = None
         self._stats: dict = {}
+        self.warmup_steps = cfg.index_warmup_steps
+        self._warm = self.warmup_steps > 0  # dense training forwards until set_train_step reaches warmup_steps
 
     @classmethod
     def hf_mixer_config(cls, c: dict) -> dict:
         """DeepSeek-V3.2's attention fields: MLA's (its main RoPE interleaved) and the indexer's."""
         return {**MLA.hf_mixer_config(c), "name": "dsa", "rope_interleave": True, "index_n_heads": c["index_n_heads"],
                 "index_head_dim": c["index_head_dim"], "index_topk": c["index_topk"]}
+
+    def set_train_step(self, step: int) -> None:
+        """Before each training batch (layers/aux_loss.set_train_step): dense while step < index_warmup_steps."""
+        self._warm = step < self.warmup_steps
 
     # ------------------------------------------------------------------ the sparse attention
     def sparse_attend(self, q_nope, q_rope, latent, q_idx, k_idx, w, visible=None, step: bool = False):
@@ -136,27 +145,28 @@ class DeepSeekSparseAttention(MLA):
         T, S = q_nope.shape[2], latent.shape[1]
         visible = causal_visible(T, S, q_nope.device) if visible is None else visible
         learn = self.training and torch.is_grad_enabled() and self.cfg.index_loss_coef > 0
+        topk = S if self.training and self._warm else self.index_topk  # the dense warm-up: every visible key
         scores = chosen = None
         if learn or self.impl != "reference":
             with torch.set_grad_enabled(learn):
                 scores = index_scores(q_idx, k_idx, w)  # (B, T, S) in at least fp32
         if self.impl == "reference":
             k, v = self.expand(latent)
-            y = dsa_attention_reference(torch.cat([q_nope, q_rope], -1), k, v, q_idx, k_idx, w, topk=self.index_topk,
+            y = dsa_attention_reference(torch.cat([q_nope, q_rope], -1), k, v, q_idx, k_idx, w, topk=topk,
                                         visible=visible, scale=self.scale)
         else:
             absorbed = self.cfg.absorb == "always" or (self.cfg.absorb == "decode" and step)
             attend = self.attend_absorbed if absorbed else self.attend_expanded
             if step:  # the k chosen latents gathered: the step reads those and the index keys only
-                slots, valid = topk_slots(scores, visible, self.index_topk)  # (B, 1, k)
+                slots, valid = topk_slots(scores, visible, topk)  # (B, 1, k)
                 picked = latent.gather(1, slots[:, 0, :, None].expand(-1, -1, latent.shape[-1]))
                 y = attend(q_nope, q_rope, picked, valid)
             else:
-                chosen = select_topk(scores, visible, self.index_topk)
+                chosen = select_topk(scores, visible, topk)
                 y = attend(q_nope, q_rope, latent, chosen)
         if not learn:
             return y, None
-        chosen = select_topk(scores, visible, self.index_topk) if chosen is None else chosen
+        chosen = select_topk(scores, visible, topk) if chosen is None else chosen
         with torch.no_grad():
             k, _ = self.expand(latent)
         q = torch.cat([q_nope, q_rope], -1).detach()

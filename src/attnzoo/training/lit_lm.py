@@ -132,6 +132,10 @@ class TrainingModule(L.LightningModule):
                  sync_dist=self._trainer is not None and self.trainer.world_size > 1)
         return self._with_aux(loss)
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Submodules whose training depends on the step (DSA's dense warm-up) learn it before each batch."""
+        hooks.set_train_step(self.model, self.global_step)
+
     def optimizer_step(self, *args, **kwargs) -> None:
         """After each optimizer step (not each micro-batch), let submodules update their own state (MoE
         aux-loss-free bias). Done here rather than in on_train_batch_end so the update lands *before* the
