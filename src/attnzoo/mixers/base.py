@@ -264,10 +264,13 @@ class Mixer(nn.Module):
 HF_FULL_ATTENTION = "full_attention"  # Llama, Qwen2 / Qwen3 (-MoE), Mixtral; Qwen3-Next's attention layers
 HF_SLIDING_ATTENTION = "sliding_attention"  # Mistral (and Mixtral) with a window
 HF_LINEAR_ATTENTION = "linear_attention"  # Qwen3-Next's Gated DeltaNet layers
-HF_LATENT_ATTENTION = "latent_attention"  # DeepSeek-V3's MLA (transformers names no layer type for it)
+HF_LATENT_ATTENTION = "latent_attention"  # DeepSeek-V3's MLA, Kimi Linear's NoPE MLA (no layer type word of its own)
 HF_SPARSE_LATENT_ATTENTION = "indexed_attention"  # DeepSeek-V3.2's DSA (MLA + lightning indexer), its layer_types word
+# Kimi Linear's KDA layers: its checkpoints' own word (config.json linear_attn_config.kda_layers); its layer_types
+# says linear_attention for them (as Qwen3-Next for GDN) and full_attention for its MLA layers (HF_LATENT_ATTENTION)
+HF_KIMI_DELTA_ATTENTION = "kda"
 HF_LAYERS = (HF_FULL_ATTENTION, HF_SLIDING_ATTENTION, HF_LINEAR_ATTENTION, HF_LATENT_ATTENTION,
-             HF_SPARSE_LATENT_ATTENTION)
+             HF_SPARSE_LATENT_ATTENTION, HF_KIMI_DELTA_ATTENTION)
 HF_WINDOW_FIELD = "sliding_window"  # config.json's window size (Mistral, Mixtral; null in Qwen2 / Qwen3)
 
 

@@ -15,6 +15,9 @@ so its three forms (the per-token recurrence as the reference, the chunkwise WY 
 its context-parallel scan and packing resets serve KDA unchanged; fla-core's `naive_recurrent_kda` /
 `naive_chunk_kda` are the independent check (tests/test_kda.py). fla's Triton `chunk_kda` is not wired: every device
 runs the torch chunkwise form.
+
+Whole models: KDA layers with MLA layers (NoPE) and DeepSeek-V3's MoE import from and export to transformers'
+`KimiLinearForCausalLM` (interop/hf; its layer_types <-> model.pattern, as Qwen3-Next's), or every layer KDA.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.config.registry import register_mixer
+from attnzoo.mixers.base import HF_KIMI_DELTA_ATTENTION
 from attnzoo.mixers.configs import GDN2Config, KDAConfig
 from attnzoo.mixers.deltanet import DeltaNet
 from attnzoo.mixers.recurrent_base import l2norm, upcast
@@ -44,8 +48,21 @@ class KimiDeltaAttention(DeltaNet):
     gated = False  # DeltaNet's per-head gate is not built: the per-channel one is below
     kernel_family = "other"  # no fla kernel dispatched (fla_kernel None): torch's chunkwise form everywhere
     linearize_target = False
-    hf_missing = ("the transformers counterpart, KimiLinearForCausalLM, mixes KDA with MLA layers and MoE FFNs: its "
-                  "whole-model import is not built (the layer is tested against transformers' KDA layer)")
+    hf_layer = HF_KIMI_DELTA_ATTENTION  # Kimi Linear's KDA layers (interop/hf: KimiLinearForCausalLM)
+
+    @classmethod
+    def hf_mixer_config(cls, c: dict) -> dict:
+        """Kimi Linear's KDA layers: linear_attn_config's num_heads / head_dim / short_conv_kernel_size (transformers
+        prefers them to its linear_num_heads / linear_head_dim / linear_conv_kernel_dim) for q, k and v alike, forget
+        and output gates of rank head_dim, a short conv without bias activated by hidden_act (SiLU), a sigmoid-gated
+        RMSNorm of eps rms_norm_eps."""
+        lac = c.get("linear_attn_config") or {}
+        pick = lambda key, flat: lac[key] if key in lac else c[flat]  # noqa: E731
+        h, d = pick("num_heads", "linear_num_heads"), pick("head_dim", "linear_head_dim")
+        return {"name": "kda", "n_heads": h, "n_v_heads": h, "head_dim": d, "v_head_dim": d, "gate_low_rank_dim": d,
+                "conv_size": pick("short_conv_kernel_size", "linear_conv_kernel_dim"), "conv_bias": False,
+                "qkv_activation": "silu", "allow_neg_eigval": False, "use_output_norm": True, "use_gate": True,
+                "norm_eps": c["rms_norm_eps"]}
 
     def __init__(self, cfg: KDAConfig, model_cfg, layer_idx: int):
         super().__init__(cfg, model_cfg, layer_idx)
@@ -135,6 +152,7 @@ class GatedDeltaNet2(KimiDeltaAttention):
     full d_model -> H d projection: our choice (the layer of the GDN-2 release is not in fla-core 0.6.0, only its
     ops), said in docs/linear_mixers.md. The rule runs on the generalized delta rule (gdn2_as_generalized)."""
 
+    hf_layer = None  # not KDA's: KimiLinearForCausalLM has no erase / write gates
     hf_missing = "transformers has no Gated DeltaNet-2 counterpart"
 
     def __init__(self, cfg: GDN2Config, model_cfg, layer_idx: int):

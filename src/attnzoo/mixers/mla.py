@@ -91,7 +91,7 @@ class StaticLatentCache(LayerCache):
 @register_mixer("mla", MLAConfig)
 class MLA(Mixer):
     kernel_family = "latent"
-    hf_layer = HF_LATENT_ATTENTION  # DeepSeek-V3
+    hf_layer = HF_LATENT_ATTENTION  # DeepSeek-V3; Kimi Linear's full_attention layers (NoPE: model position none)
 
     @classmethod
     def mup_qk_grows(cls, cfg) -> bool:  # softmax logits: q.k / d under µP (Mixer.mup_qk_scale)
@@ -126,7 +126,8 @@ class MLA(Mixer):
 
     @classmethod
     def hf_mixer_config(cls, c: dict) -> dict:
-        """DeepSeek-V3's attention fields; its q/kv latent RMSNorms use eps 1e-6."""
+        """DeepSeek-V3's attention fields (Kimi Linear's MLA layers have the same, without rope_interleave: they apply
+        no RoPE); the q/kv latent RMSNorms use eps 1e-6 in both."""
         return {"name": "mla", "q_lora_rank": c.get("q_lora_rank"), "kv_lora_rank": c["kv_lora_rank"],
                 "qk_nope_head_dim": c["qk_nope_head_dim"], "qk_rope_head_dim": c["qk_rope_head_dim"],
                 "v_head_dim": c["v_head_dim"], "rope_interleave": bool(c.get("rope_interleave", True)),

@@ -21,13 +21,17 @@ Architectures (docs/hf.md has the table, the measured parity and the departures)
     DeepseekV32ForCausalLM    dsa (q_lora_rank, rope_interleave; its indexer) + DeepSeek-V3's swiglu / moe
     Qwen3NextForCausalLM      gated_deltanet in every layer, or GDN + attention (qk_norm, output_gate) hybrids
                               + swiglu / moe (gated shared expert)
+    KimiLinearForCausalLM     kda and / or mla (NoPE: position none) in layer_types' order (<-> pattern)
+                              + DeepSeek-V3's swiglu / moe (shared experts required); never tied embeddings
     Mamba2ForCausalLM         mamba2 in every layer, no FFN, no positions
 
 Only local directories are read (config.json + model.safetensors or a sharded index; never the hub, never
 pickles). One set of rules per architecture maps tensor names both ways (`weights._rules`): attnzoo fuses
 [q | k | v] and SwiGLU's [gate | up], stores expert weights input-major, and Qwen3-Next stores its RMSNorm
-weights as w - 1 and interleaves its GDN projections per key head. Anything without an exact equivalent
-is refused in one line naming the field (`ConfigError`), never imported or exported approximately.
+weights as w - 1 and interleaves its GDN projections per key head; Kimi Linear keeps q / k / v and their convs
+apart and its checkpoints use Moonshot's names (`Arch.aliases`: other names a tensor may have). Anything without
+an exact equivalent is refused in one line naming the field (`ConfigError`), never imported or exported
+approximately. config.json export: export_configs.py (re-exported by configs.py).
 """
 from attnzoo.interop.hf.archs import ARCHS, FIELD, Arch, arch_for
 from attnzoo.interop.hf.convert import (apply_init_from, check_init_vocab, export_model, hf_tokenizer_json,

@@ -10,8 +10,8 @@ from typing import Optional
 
 from attnzoo.config.errors import ConfigError
 from attnzoo.config.registry import MIXERS
-from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
-                                 HF_SPARSE_LATENT_ATTENTION, Mixer)
+from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_KIMI_DELTA_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION,
+                                 HF_SLIDING_ATTENTION, HF_SPARSE_LATENT_ATTENTION, Mixer)
 from attnzoo.models.decoder import DecoderLM
 
 FIELD = "model.init_from"
@@ -30,6 +30,8 @@ class Arch:
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")  # per-expert [gate, up, down] in the checkpoint
     shared_prefix: Optional[str] = None  # the shared expert(s)
     norm_offset: float = 0.0  # RMSNorm computes x * (offset + w): Qwen3-Next stores w - 1 (zero-centred)
+    # (regex, replacement) on checkpoint tensor names before import: other names a checkpoint may hold for a tensor
+    aliases: tuple = ()
 
 
 LLAMA = Arch("llama", "LlamaForCausalLM")
@@ -42,6 +44,13 @@ DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V32)  # one MoE (sigmoid, groups, selection bi
 QWEN3_NEXT = Arch("qwen3_next", "Qwen3NextForCausalLM", shared_prefix="shared_expert.", norm_offset=1.0)
 QWEN3 = Arch("qwen3", "Qwen3ForCausalLM")
 QWEN3_MOE = Arch("qwen3_moe", "Qwen3MoeForCausalLM")
+# Kimi Linear: KDA + NoPE MLA layers, DeepSeek-V3's MoE; checkpoints in Moonshot's names (what transformers' own
+# save_pretrained writes back): routed FFNs under block_sparse_moe., experts w1 / w3 / w2, dense MLPs under mlp.
+# (save_pretrained writes those under block_sparse_moe. too: read as mlp.)
+KIMI_LINEAR = Arch("kimi_linear", "KimiLinearForCausalLM", moe_prefix="block_sparse_moe.",
+                   expert_names=("w1", "w3", "w2"), shared_prefix="shared_experts.",
+                   aliases=((r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r".mlp.\1."),))
+SIGMOID_ROUTED = (*DEEPSEEK, KIMI_LINEAR)  # DeepSeek-V3's MoE: sigmoid, groups, selection bias, ungated shared experts
 @dataclass(frozen=True)
 class _Mamba2Arch(Arch):
     """transformers' Mamba2ForCausalLM: blocks of RMSNorm + Mamba2Mixer, no FFN, no positions. Its model_type is
@@ -53,7 +62,7 @@ class _Mamba2Arch(Arch):
 
 MAMBA2 = _Mamba2Arch()
 ARCHS = {a.model_type: a for a in (LLAMA, QWEN2, MISTRAL, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, QWEN3_NEXT, QWEN3,
-                                   QWEN3_MOE, MAMBA2)}
+                                   QWEN3_MOE, KIMI_LINEAR, MAMBA2)}
 
 # model types people will try that attnzoo cannot represent exactly, and the missing feature
 MISSING = {
@@ -106,10 +115,10 @@ def _check_moe(model, arch: Arch) -> None:
         raise _no(f"{field}.expert_type", f"{f.expert_type} experts (transformers' are SiLU-gated)")
     if f.capacity_factor is not None:
         raise _no(f"{field}.capacity_factor", f"{f.capacity_factor} drops tokens (transformers' MoE are dropless)")
-    want = "sigmoid" if arch in DEEPSEEK else "softmax"
+    want = "sigmoid" if arch in SIGMOID_ROUTED else "softmax"
     if f.scoring != want:
         raise _no(f"{field}.scoring", f"{f.scoring} routing ({arch.cls} routes by {want})")
-    if arch not in DEEPSEEK:
+    if arch not in SIGMOID_ROUTED:
         if f.routed_scaling_factor != 1.0:
             raise _no(f"{field}.routed_scaling_factor", f"{f.routed_scaling_factor} ({arch.cls} has none)")
         if (f.n_group or 1) != 1 or (f.topk_group or 1) != 1:
@@ -123,12 +132,14 @@ def _check_moe(model, arch: Arch) -> None:
             raise _no(f"{field}.norm_topk_prob", "false (Mixtral renormalises the top-k weights)")
         if f.first_k_dense:
             raise _no(f"{field}.first_k_dense", f"{f.first_k_dense} dense layers (Mixtral has none)")
-    if arch in DEEPSEEK:
+    if arch in SIGMOID_ROUTED:
         if moe.shared_gate is not None:
-            raise _no(f"{field}.shared_expert_gate", "true (DeepSeek-V3's and V3.2's shared experts are ungated)")
+            raise _no(f"{field}.shared_expert_gate", f"true ({arch.cls}'s shared experts are ungated)")
         if moe.shared is not None and moe.shared.hidden != f.n_shared_experts * moe.hidden:
-            raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} (DeepSeek-V3's and V3.2's is n_shared_experts * "
+            raise _no(f"{field}.shared_d_ff", f"{moe.shared.hidden} ({arch.cls}'s is n_shared_experts * "
                       f"d_ff = {f.n_shared_experts * moe.hidden})")
+    if arch is KIMI_LINEAR and moe.shared is None:
+        raise _no(f"{field}.n_shared_experts", "0 (KimiLinearMoE always adds its shared experts; allowed: >= 1)")
     if arch is QWEN3_MOE and moe.shared is not None:
         raise _no(f"{field}.n_shared_experts", "shared experts (Qwen3-MoE has none)")
     if arch is QWEN3_NEXT and (moe.shared is None or moe.shared_gate is None):
@@ -190,6 +201,56 @@ def _check_mamba2(model) -> Arch:
     return MAMBA2
 
 
+def _check_kimi_linear(model) -> Arch:
+    """KimiLinearForCausalLM (KimiLinearModel: embeddings, pre-norm blocks, norm, lm_head): KDA layers (kda, as
+    KimiLinearDeltaAttention builds them) and MLA layers (KimiLinearAttention: DeepSeek-V3's MLA without RoPE, so the
+    decoupled key part is a position-free key shared by the heads) in any order, one config per kind; no positions;
+    a SwiGLU MLP or DeepSeek-V3's MoE with shared experts after the first k dense layers."""
+    cfg = model.cfg
+    if cfg.position.name != "none":
+        raise _no("model.position.name", f"{cfg.position.name} (KimiLinearForCausalLM applies no positions: its MLA "
+                  f"layers are NoPE; allowed: none)")
+    if cfg.tie_embeddings:
+        raise _no("model.tie_embeddings", "true (KimiLinearForCausalLM never ties lm_head to the embedding, whatever "
+                  "tie_word_embeddings says: its _tied_weights_keys is empty; allowed: false)")
+    by_layer = {_hf_layer(m): m for m in model.layer_mixers}
+    kda, mla = by_layer.get(HF_KIMI_DELTA_ATTENTION), by_layer.get(HF_LATENT_ATTENTION)
+    if kda is not None:
+        field, (h, hv, dk, dv) = _mixer_field(cfg, kda), kda.sizes(cfg)
+        for key, value, want, has in (
+                ("n_v_heads", hv, h, "linear_num_heads heads for q, k and v alike"),
+                ("v_head_dim", dv, dk, "one linear_head_dim for keys and values"),
+                ("gate_low_rank_dim", kda.gate_low_rank_dim or dk, dk, "forget and output gates of rank head_dim"),
+                ("conv_bias", kda.conv_bias, False, "a short conv without bias"),
+                ("qkv_activation", kda.qkv_activation, "silu", "the short conv activated by hidden_act silu"),
+                ("allow_neg_eigval", kda.allow_neg_eigval, False, "beta = sigmoid(W_b x)"),
+                ("use_output_norm", kda.use_output_norm, True, "a gated RMSNorm on the output"),
+                ("use_gate", kda.use_gate, True, "a sigmoid output gate"),
+                ("norm_eps", kda.norm_eps, cfg.norm.eps, "rms_norm_eps for the output norm too (model.norm.eps)")):
+            if value != want:
+                raise _no(f"{field}.{key}", f"{value} (KimiLinearForCausalLM's KDA layers have {has}; allowed: {want})")
+        if kda.conv_size < 1:
+            raise _no(f"{field}.conv_size", "0 (KimiLinearForCausalLM's KDA layers have a short conv; allowed: >= 1)")
+    if mla is not None:
+        field = _mixer_field(cfg, mla)
+        if mla.norm_eps != 1e-6:
+            raise _no(f"{field}.norm_eps", f"{mla.norm_eps} (Kimi Linear's latent RMSNorms use 1e-6; allowed: 1e-6)")
+        if mla.conv_size:
+            raise _no(f"{field}.conv_size", f"{mla.conv_size}: a short conv in front of attention has no transformers "
+                      f"counterpart")
+        if mla.softmax_scale is not None:
+            raise _no(f"{field}.softmax_scale", f"{mla.softmax_scale} (KimiLinearAttention scales by "
+                      f"(qk_nope_head_dim + qk_rope_head_dim)^-1/2; allowed: null)")
+    if cfg.ffn.name not in ("swiglu", "moe"):
+        raise _no("model.ffn.name", f"{cfg.ffn.name} (KimiLinearForCausalLM's FFNs are SwiGLU MLPs and DeepSeek-V3's "
+                  f"MoE; allowed: swiglu, moe)")
+    if cfg.ffn.name == "swiglu" and cfg.ffn.bias:
+        raise _no("model.ffn.bias", "true (Kimi Linear's MLPs have no bias)")
+    if cfg.ffn.name == "moe":
+        _check_moe(model, KIMI_LINEAR)
+    return KIMI_LINEAR
+
+
 def arch_for(model) -> Arch:
     """The transformers architecture exactly equivalent to `model` (a DecoderLM); one-line ConfigError
     naming the field that has no equivalent otherwise. Import uses the same rules, so both directions agree."""
@@ -208,12 +269,18 @@ def arch_for(model) -> Arch:
     layers = {_hf_layer(m) for m in model.layer_mixers}
     # Qwen3-Next: Gated DeltaNet layers and full-attention layers (one attention kind) in any order
     hybrid = len(set(kinds)) == 2 and layers == {HF_LINEAR_ATTENTION, HF_FULL_ATTENTION}
-    if len(set(kinds)) > 1 and not hybrid:
+    # Kimi Linear: KDA layers with or without MLA layers in any order; all-MLA too where it has no positions (NoPE)
+    kimi = layers <= {HF_KIMI_DELTA_ATTENTION, HF_LATENT_ATTENTION} and (
+        HF_KIMI_DELTA_ATTENTION in layers or cfg.position.name == "none")
+    if len(set(kinds)) > 1 and not (hybrid or kimi):
         raise _no("model.pattern", f"{sorted(set(kinds))} (exported: one mixer for every layer - mamba2 as "
-                  f"Mamba2ForCausalLM - or gated_deltanet with mha / gqa / mqa layers as Qwen3-Next)")
+                  f"Mamba2ForCausalLM - gated_deltanet with mha / gqa / mqa layers as Qwen3-Next, or kda with mla "
+                  f"layers as Kimi Linear)")
     for k in set(kinds):
         if len({repr(m) for m in model.layer_mixers if m.name == k}) > 1:
             raise _no("model.pattern", f"{k} layers configured differently (exported: one config per mixer kind)")
+    if kimi:
+        return _check_kimi_linear(model)
     if hybrid:
         _check_qwen3_next_attention(cfg, next(m for m in model.layer_mixers if _hf_layer(m) == HF_FULL_ATTENTION))
     mc = next(m for m in model.layer_mixers if _hf_layer(m) == HF_LINEAR_ATTENTION) if hybrid else model.layer_mixers[0]

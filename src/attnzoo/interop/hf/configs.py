@@ -1,14 +1,15 @@
 """config.json both ways: `config_from_hf` (a transformers config -> the attnzoo `model` section) and `hf_config`
-(an attnzoo DecoderLM -> the config.json of its `arch_for` architecture, every field that matters written out)."""
+(an attnzoo DecoderLM -> the config.json of its `arch_for` architecture, every field that matters written out;
+export_configs.py, re-exported here)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import (DEEPSEEK, DEEPSEEK_V3, DEEPSEEK_V32, LLAMA, MAMBA2, MISSING, MISTRAL, MIXTRAL,
-                                      QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, _dense_of, _moe_of, arch_for, mixer_class)
-from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION, HF_SLIDING_ATTENTION,
-                                 HF_SPARSE_LATENT_ATTENTION, HF_WINDOW_FIELD)
+from attnzoo.interop.hf.archs import KIMI_LINEAR, MAMBA2, MISSING, mixer_class
+from attnzoo.interop.hf.export_configs import hf_config  # noqa: F401 (re-exported)
+from attnzoo.mixers.base import (HF_FULL_ATTENTION, HF_KIMI_DELTA_ATTENTION, HF_LATENT_ATTENTION, HF_LINEAR_ATTENTION,
+                                 HF_SLIDING_ATTENTION, HF_SPARSE_LATENT_ATTENTION, HF_WINDOW_FIELD)
 
 
 # ----------------------------------------------------------------------------- import: config.json -> model section
@@ -141,18 +142,20 @@ def _deepseek_v3(c: dict) -> dict:
     m["n_kv_heads"] = h
     m["head_dim"] = None if c["hidden_size"] % h == 0 else qk  # MLA reads its own sizes below
     m["mixer"] = mixer_class(HF_LATENT_ATTENTION).hf_mixer_config(c)
-    k_dense = int(c.get("first_k_dense_replace", 0))
-    if k_dense >= c["num_hidden_layers"] or not c.get("n_routed_experts"):
-        m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
-    else:
-        m["ffn"] = {"name": "moe", "n_experts": c["n_routed_experts"], "top_k": c["num_experts_per_tok"],
-                    "d_ff": c["moe_intermediate_size"], "scoring": "sigmoid",
-                    "norm_topk_prob": bool(c.get("norm_topk_prob", True)),
-                    "routed_scaling_factor": float(c.get("routed_scaling_factor", 1.0)),
-                    "n_group": c.get("n_group") or 1, "topk_group": c.get("topk_group") or 1,
-                    "n_shared_experts": int(c.get("n_shared_experts") or 0), "first_k_dense": k_dense,
-                    "dense_d_ff": c["intermediate_size"], "expert_type": "swiglu"}
+    m["ffn"] = _deepseek_ffn(c, int(c.get("first_k_dense_replace", 0)))
     return m
+
+
+def _deepseek_ffn(c: dict, k_dense: int) -> dict:
+    """DeepSeek-V3's FFN section (V3.2's, Kimi Linear's): SwiGLU in every layer, or its sigmoid MoE after k dense."""
+    if k_dense >= c["num_hidden_layers"] or not c.get("n_routed_experts"):
+        return {"name": "swiglu", "d_ff": c["intermediate_size"]}
+    return {"name": "moe", "n_experts": c["n_routed_experts"], "top_k": c["num_experts_per_tok"],
+            "d_ff": c["moe_intermediate_size"], "scoring": "sigmoid",
+            "norm_topk_prob": bool(c.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(c.get("routed_scaling_factor", 1.0)), "n_group": c.get("n_group") or 1,
+            "topk_group": c.get("topk_group") or 1, "n_shared_experts": int(c.get("n_shared_experts") or 0),
+            "first_k_dense": k_dense, "dense_d_ff": c["intermediate_size"], "expert_type": "swiglu"}
 
 
 def _deepseek_v32(c: dict) -> dict:
@@ -164,14 +167,96 @@ def _deepseek_v32(c: dict) -> dict:
     types = c.get("layer_types")
     if types and set(types) != {HF_SPARSE_LATENT_ATTENTION}:
         raise _refuse("layer_types", f"{sorted(set(types))} (imported: {HF_SPARSE_LATENT_ATTENTION} only)")
+    m = _deepseek_v3({**c, "first_k_dense_replace": _mlp_dense_prefix(c, 3)})  # transformers' default k: 3
+    m["mixer"] = mixer_class(HF_SPARSE_LATENT_ATTENTION).hf_mixer_config(c)
+    return m
+
+
+def _mlp_dense_prefix(c: dict, k_default: int) -> int:
+    """k, for `mlp_layer_types` = k x dense then sparse (absent: first_k_dense_replace, else `k_default`, as
+    transformers derives it): attnzoo's dense layers are the first k."""
     n = c["num_hidden_layers"]
-    k = min(int(c.get("first_k_dense_replace", 3)), n)  # transformers' default: 3
+    k = min(int(c.get("first_k_dense_replace", k_default)), n)
     mlp = list(c.get("mlp_layer_types") or ["dense"] * k + ["sparse"] * (n - k))
     k = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
     if mlp != ["dense"] * k + ["sparse"] * (n - k):
         raise _refuse("mlp_layer_types", f"{mlp} (attnzoo's dense layers are the first k: k x dense, then sparse)")
-    m = _deepseek_v3({**c, "first_k_dense_replace": k})
-    m["mixer"] = mixer_class(HF_SPARSE_LATENT_ATTENTION).hf_mixer_config(c)
+    return k
+
+
+def _period(types: list) -> list:
+    """The shortest prefix of `types` that tiles it (model.pattern's length must divide n_layers)."""
+    n = len(types)
+    return types[:next(p for p in range(1, n + 1) if n % p == 0 and types == types[:p] * (n // p))]
+
+
+# DeepSeek-V3's config.json names <- Kimi Linear's (KimiLinearConfig.attribute_map: it saves the latter, reads both)
+KIMI_NAMES = {"n_routed_experts": ("num_experts", "num_local_experts"),
+              "num_experts_per_tok": ("num_experts_per_token", "num_experts_per_tok"),
+              "norm_topk_prob": ("moe_renormalize", "norm_topk_prob"), "n_group": ("num_expert_group", "n_group"),
+              "n_shared_experts": ("num_shared_experts", "n_shared_experts"), "topk_group": ("topk_group",),
+              "routed_scaling_factor": ("routed_scaling_factor",), "moe_intermediate_size": ("moe_intermediate_size",)}
+# fields of Moonshot's config.json that transformers' KimiLinearForCausalLM reads as one value only
+KIMI_FIXED = (("moe_router_activation_func", "sigmoid"), ("mla_use_nope", True), ("moe_layer_freq", 1))
+
+
+def _kimi_layer_types(c: dict) -> list:
+    """layer_types as transformers reads a Kimi Linear config.json: the field; else Moonshot's linear_attn_config
+    full_attn_layers / kda_layers (1-indexed); else full attention at layers 4, 8, ... (0-indexed), KDA elsewhere."""
+    n, lac = c["num_hidden_layers"], c.get("linear_attn_config") or {}
+    if c.get("layer_types") is not None:
+        return list(c["layer_types"])
+    if "full_attn_layers" in lac and "kda_layers" in lac:
+        types = [None] * n
+        for key, kind in (("full_attn_layers", HF_FULL_ATTENTION), ("kda_layers", HF_LINEAR_ATTENTION)):
+            for i in lac[key]:
+                if not 1 <= i <= n:
+                    raise _refuse(f"linear_attn_config.{key}", f"{lac[key]} (1-indexed layers; allowed: 1..{n})")
+                types[i - 1] = kind
+        return types
+    return [HF_FULL_ATTENTION if i and i % 4 == 0 else HF_LINEAR_ATTENTION for i in range(n)]
+
+
+def _kimi_linear(c: dict) -> dict:
+    """Kimi Linear: KDA layers (layer_types linear_attention) and MLA layers (full_attention: DeepSeek-V3's MLA without
+    RoPE, so no positions), model.pattern tiling the shortest period of layer_types over mixers.delta / mixers.latent
+    (as Qwen3-Next's); DeepSeek-V3's FFN (Kimi's config names, KIMI_NAMES) after the dense layers of mlp_layer_types."""
+    _check_act(c)
+    for key, want in KIMI_FIXED:
+        if c.get(key, want) != want:
+            raise _refuse(key, f"{c[key]!r} (transformers' KimiLinearForCausalLM implements {want!r} only; allowed: "
+                          f"{want!r})")
+    n, types = c["num_hidden_layers"], _kimi_layer_types(c)
+    if len(types) != n or not set(types) <= {HF_LINEAR_ATTENTION, HF_FULL_ATTENTION}:
+        raise _refuse("layer_types", f"{types} (imported: {HF_LINEAR_ATTENTION} (KDA) or {HF_FULL_ATTENTION} (MLA) for "
+                      f"each of the {n} layers)")
+    k = _mlp_dense_prefix(c, 1)  # transformers' default first_k_dense_replace for Kimi Linear: 1
+    d = {**c, "n_routed_experts": 0,  # transformers' default model_max_length: 1048576 (nothing sized by it here)
+         "max_position_embeddings": c.get("model_max_length", c.get("max_position_embeddings", 1048576))}
+    if k < n:  # sparse layers: the router's fields, each under either name, none defaulted
+        for ds, names in KIMI_NAMES.items():
+            if not any(name in c for name in names):
+                raise KeyError(names[0])
+            d[ds] = next(c[name] for name in names if name in c)
+        if not d["n_routed_experts"] or not d["n_shared_experts"]:
+            key = "num_experts" if not d["n_routed_experts"] else "num_shared_experts"
+            raise _refuse(key, "0 with sparse layers (KimiLinearMoE routes to experts and always adds its shared "
+                          "experts; allowed: >= 1)")
+    m = _base(d, {"name": "none"})  # neither layer kind takes a position
+    m["tie_embeddings"] = False  # whatever tie_word_embeddings says: KimiLinearForCausalLM ties nothing (no tied keys)
+    h = c["num_attention_heads"]
+    m["n_kv_heads"] = h  # MLA: every head its own key (num_key_value_heads is not read)
+    m["head_dim"] = None if c["hidden_size"] % h == 0 else c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    kda = mixer_class(HF_KIMI_DELTA_ATTENTION).hf_mixer_config(c) if HF_LINEAR_ATTENTION in types else None
+    mla = mixer_class(HF_LATENT_ATTENTION).hf_mixer_config(c) if HF_FULL_ATTENTION in types else None
+    if mla is not None and mla["qk_rope_head_dim"] % 2:
+        raise _refuse("qk_rope_head_dim", f"{mla['qk_rope_head_dim']} (attnzoo's MLA keeps an even count; allowed: "
+                      f"even)")
+    m["mixer"] = kda or mla
+    if kda is not None and mla is not None:
+        m["mixers"] = {"delta": kda, "latent": mla}
+        m["pattern"] = ["delta" if t == HF_LINEAR_ATTENTION else "latent" for t in _period(types)]
+    m["ffn"] = _deepseek_ffn(d, k)
     return m
 
 
@@ -195,11 +280,10 @@ def _qwen3_next(c: dict) -> dict:
         pos["rotary_fraction"] = float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
         m = _base(c, pos)
         bias = bool(c.get("attention_bias", False))
-        period = next(p for p in range(1, len(types) + 1) if len(types) % p == 0 and types == types[:p] * (len(types) // p))
         m["mixer"] = gdn
         m["mixers"] = {"gdn": gdn, "attn": {**_attention_mixer(c, None, bias, bias), "qk_norm": True,
                                              "output_gate": True}}
-        m["pattern"] = ["gdn" if t == HF_LINEAR_ATTENTION else "attn" for t in types[:period]]
+        m["pattern"] = ["gdn" if t == HF_LINEAR_ATTENTION else "attn" for t in _period(types)]
     E = int(c.get("num_experts") or 0)
     if E == 0:
         m["ffn"] = {"name": "swiglu", "d_ff": c["intermediate_size"]}
@@ -247,7 +331,7 @@ def _mamba2(c: dict) -> dict:
 IMPORTERS: dict[str, Callable[[dict], dict]] = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3, "deepseek_v32": _deepseek_v32, "qwen3_next": _qwen3_next, "qwen3": _qwen3, "qwen3_moe": _qwen3,
-    MAMBA2.model_type: _mamba2,
+    KIMI_LINEAR.model_type: _kimi_linear, MAMBA2.model_type: _mamba2,
 }
 
 
@@ -264,111 +348,3 @@ def config_from_hf(hf_config: Any) -> dict:
         return IMPORTERS[mt](c)
     except KeyError as e:
         raise ConfigError(f"has no {e.args[0]!r}, which a {mt} config needs", field="config.json") from None
-
-
-# ----------------------------------------------------------------------------- export: model -> config.json
-
-
-def _rope_parameters(pos) -> dict:
-    rp = {"rope_type": "default", "rope_theta": float(pos.theta)}
-    if pos.scaling == "linear":
-        rp.update(rope_type="linear", factor=pos.factor)
-    elif pos.scaling == "llama3":
-        rp.update(rope_type="llama3", factor=pos.factor, low_freq_factor=pos.low_freq_factor,
-                  high_freq_factor=pos.high_freq_factor, original_max_position_embeddings=pos.original_max_len)
-    return rp
-
-
-def hf_config(model) -> dict:
-    """config.json for `model` under `arch_for(model)` (every field that matters written out, so no
-    transformers default decides anything)."""
-    arch = arch_for(model)
-    if arch is MAMBA2:
-        return _mamba2_config(model)
-    cfg = model.cfg
-    m, mc = model.mixers[0], model.layer_mixers[0]
-    dense, moe = _dense_of(model), _moe_of(model)
-    c = {
-        "architectures": [arch.cls], "model_type": arch.model_type, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm.eps, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std, "attention_dropout": 0.0, "use_cache": True, "dtype": "float32",
-        "rope_parameters": _rope_parameters(cfg.position),
-        "intermediate_size": (dense or moe).hidden,
-    }
-    if arch in (LLAMA, QWEN2, MISTRAL, MIXTRAL, QWEN3, QWEN3_MOE):
-        if cfg.position.scaling == "llama3" and cfg.position.original_max_len is None:
-            c["rope_parameters"]["original_max_position_embeddings"] = cfg.max_seq_len
-        c["num_key_value_heads"] = m.n_kv_heads
-    if arch is LLAMA:
-        c.update(attention_bias=mc.qkv_bias, mlp_bias=bool(cfg.ffn.bias))
-    if arch in (QWEN3, QWEN3_MOE):
-        c.update(attention_bias=mc.qkv_bias, use_sliding_window=False, sliding_window=None,
-                 max_window_layers=cfg.n_layers, layer_types=["full_attention"] * cfg.n_layers)
-    if arch is QWEN3_MOE:
-        f = cfg.ffn
-        c.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden,
-                 norm_topk_prob=f.norm_topk_prob, mlp_only_layers=list(range(f.first_k_dense)), decoder_sparse_step=1,
-                 output_router_logits=False)
-    if arch is QWEN2:
-        c.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
-    if arch in (MISTRAL, MIXTRAL):
-        c[HF_WINDOW_FIELD] = getattr(mc, "window", None)
-    if arch is MIXTRAL:
-        c.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k, router_jitter_noise=0.0,
-                 output_router_logits=False)
-    if arch in DEEPSEEK:
-        c.update(num_key_value_heads=cfg.n_heads, head_dim=m.dr, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                 qk_nope_head_dim=m.dn, qk_rope_head_dim=m.dr, v_head_dim=m.dv, attention_bias=mc.bias)
-        if arch is DEEPSEEK_V3:
-            c["rope_interleave"] = mc.rope_interleave
-        else:  # V3.2's main RoPE is always interleaved (archs.arch_for refuses anything else): no such field
-            c.update(index_n_heads=m.index_n_heads, index_head_dim=m.index_head_dim, index_topk=m.index_topk,
-                     layer_types=[HF_SPARSE_LATENT_ATTENTION] * cfg.n_layers)
-        if moe is None:  # every layer dense; a valid (unused) router description
-            c.update(first_k_dense_replace=cfg.n_layers, n_routed_experts=1, num_experts_per_tok=1, n_group=1,
-                     topk_group=1, moe_intermediate_size=dense.hidden, n_shared_experts=0)
-        else:
-            f = cfg.ffn
-            c.update(first_k_dense_replace=f.first_k_dense, n_routed_experts=moe.n_experts,
-                     num_experts_per_tok=moe.top_k, n_group=f.n_group or 1, topk_group=f.topk_group or 1,
-                     moe_intermediate_size=moe.hidden,
-                     n_shared_experts=f.n_shared_experts if moe.shared is not None else 0,
-                     routed_scaling_factor=f.routed_scaling_factor, norm_topk_prob=f.norm_topk_prob)
-        if arch is DEEPSEEK_V32:  # written out, so that no default decides the dense layers
-            k = c["first_k_dense_replace"]
-            c["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (cfg.n_layers - k)
-    if arch is QWEN3_NEXT:
-        g = next(x for x in model.mixers if x.hf_layer == HF_LINEAR_ATTENTION)
-        c.update(layer_types=[x.hf_layer for x in model.mixers], linear_num_key_heads=g.n_qk_heads,
-                 linear_num_value_heads=g.n_v_heads, linear_key_head_dim=g.qk_dim, linear_value_head_dim=g.v_dim,
-                 linear_conv_kernel_dim=g.conv.kernel_size, decoder_sparse_step=1)
-        a = next((x for x in model.mixers if x.hf_layer != HF_LINEAR_ATTENTION), None)
-        if a is not None:  # the gated attention layers
-            c.update(num_key_value_heads=a.n_kv_heads, attention_bias=a.cfg.qkv_bias)
-            c["rope_parameters"]["partial_rotary_factor"] = float(cfg.position.rotary_fraction)
-        if moe is None:
-            c.update(num_experts=0, mlp_only_layers=[])
-        else:
-            f = cfg.ffn
-            c.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden,
-                     shared_expert_intermediate_size=moe.shared.hidden, norm_topk_prob=f.norm_topk_prob,
-                     mlp_only_layers=list(range(f.first_k_dense)), output_router_logits=False)
-    return c
-
-
-def _mamba2_config(model) -> dict:
-    """config.json of Mamba2ForCausalLM for an all-mamba2 model (archs._check_mamba2); dt unclamped (time_step_limit
-    [0, inf], written out: JSON's Infinity, which Python's json and transformers read)."""
-    cfg, m, mc = model.cfg, model.mixers[0], model.layer_mixers[0]
-    return {
-        "architectures": [MAMBA2.cls], "model_type": MAMBA2.model_type, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_heads": m.n_v_heads, "head_dim": m.v_dim,
-        "expand": m.n_v_heads * m.v_dim // cfg.d_model, "state_size": m.qk_dim, "n_groups": m.n_qk_heads,
-        "conv_kernel": mc.conv_size, "use_conv_bias": mc.conv_bias, "use_bias": False, "chunk_size": mc.chunk_size,
-        "layer_norm_epsilon": cfg.norm.eps, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
-        "residual_in_fp32": True, "time_step_limit": [0.0, float("inf")], "time_step_min": mc.dt_init_range[0],
-        "time_step_max": mc.dt_init_range[1], "time_step_floor": mc.dt_init_floor, "rescale_prenorm_residual": False,
-        "initializer_range": cfg.init_std, "use_cache": True, "dtype": "float32",
-    }

@@ -3,6 +3,7 @@ tensor-name rules of each architecture (`_rules`), `load_hf_weights` and `hf_sta
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -10,9 +11,9 @@ from typing import Callable
 import torch
 
 from attnzoo.config.errors import ConfigError
-from attnzoo.interop.hf.archs import (DEEPSEEK, DEEPSEEK_V3, DEEPSEEK_V32, FIELD, LLAMA, MAMBA2, MISTRAL, MIXTRAL,
-                                      QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, Arch, arch_for)
-from attnzoo.mixers.base import HF_LINEAR_ATTENTION
+from attnzoo.interop.hf.archs import (DEEPSEEK_V3, DEEPSEEK_V32, FIELD, KIMI_LINEAR, LLAMA, MAMBA2, MISTRAL, MIXTRAL,
+                                      QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, SIGMOID_ROUTED, Arch, arch_for)
+from attnzoo.mixers.base import HF_KIMI_DELTA_ATTENTION, HF_LINEAR_ATTENTION
 
 
 # ----------------------------------------------------------------------------- reading a local directory
@@ -169,6 +170,26 @@ def _gdn_rules(m, o: str, h: str) -> list:
     ]
 
 
+def _kda_rules(m, o: str, h: str) -> list:
+    """Kimi Linear's KDA layers under the names its checkpoints hold (Moonshot's, which transformers' save_pretrained
+    writes back; tests/test_kda.py matches the layer itself against KimiLinearDeltaAttention): q/k/v_proj -> the fused
+    qkv, q/k/v_conv1d (C, 1, K) each -> the one conv over [q | k | v] (3C, K), f_a/f_b_proj -> f_proj.0/1 (the forget
+    gate), g_a/g_b_proj -> g_proj.0/1 (the output gate), A_log (1, 1, H, 1) -> (H,), o_norm -> norm."""
+    h += "self_attn."
+    parts = list(m.qkv_dims)
+    return [
+        _cat(o + "qkv.weight", tuple(f"{h}{p}_proj.weight" for p in "qkv"), parts),
+        Rule((o + "conv.weight",), tuple(f"{h}{p}_conv1d.weight" for p in "qkv"), lambda t: [torch.cat(t)[:, 0]],
+             lambda t: [c[:, None] for c in t[0].split(parts, 0)]),
+        _same(o + "f_proj.0.weight", h + "f_a_proj.weight"), _same(o + "f_proj.1.weight", h + "f_b_proj.weight"),
+        _same(o + "dt_bias", h + "dt_bias"),
+        Rule((o + "A_log",), (h + "A_log",), lambda t: [t[0].reshape(-1)], lambda t: [t[0].view(1, 1, -1, 1)]),
+        _same(o + "b_proj.weight", h + "b_proj.weight"),
+        _same(o + "g_proj.0.weight", h + "g_a_proj.weight"), _same(o + "g_proj.1.weight", h + "g_b_proj.weight"),
+        _same(o + "norm.weight", h + "o_norm.weight"), _same(o + "o_proj.weight", h + "o_proj.weight"),
+    ]
+
+
 def _swiglu_rules(f, o: str, h: str, names=("gate_proj", "up_proj", "down_proj")) -> list:
     g, u, d = names
     rules = [_cat(o + "gate_up.weight", (f"{h}{g}.weight", f"{h}{u}.weight"), [f.hidden, f.hidden]),
@@ -201,7 +222,7 @@ def _moe_rules(f, o: str, h: str, arch: Arch) -> list:
         Rule((o + "w_down",), down_keys, lambda t: [torch.stack(t).transpose(1, 2)],
              lambda t: list(t[0].transpose(1, 2).unbind(0))),
     ]
-    if arch in DEEPSEEK:
+    if arch in SIGMOID_ROUTED:
         rules.append(_same(o + "expert_bias", h + "gate.e_score_correction_bias"))
     else:  # no selection bias in the checkpoint: zeros (export refuses a non-zero one)
         rules.append(Rule((o + "expert_bias",), (), lambda t: [torch.zeros(E)], lambda t: []))
@@ -266,13 +287,15 @@ def _rules(model, arch: Arch) -> list:
         rules.append(_same("lm_head.weight", "lm_head.weight"))
     mixer_rules = {LLAMA: _attention_rules, QWEN2: _attention_rules, MISTRAL: _attention_rules,
                    MIXTRAL: _attention_rules, DEEPSEEK_V3: _mla_rules, DEEPSEEK_V32: _mla_rules, QWEN3_NEXT: _gdn_rules,
-                   QWEN3: _attention_rules, QWEN3_MOE: _attention_rules}[arch]
+                   QWEN3: _attention_rules, QWEN3_MOE: _attention_rules, KIMI_LINEAR: _mla_rules}[arch]
     for i, block in enumerate(model.blocks):
         o, h = f"blocks.{i}.", f"model.layers.{i}."
         rules += [_same(o + "norm1.weight", h + "input_layernorm.weight", off),
                   _same(o + "norm2.weight", h + "post_attention_layernorm.weight", off)]
         if arch is QWEN3_NEXT and block.mixer.hf_layer != HF_LINEAR_ATTENTION:
             rules += _gated_attention_rules(block.mixer, o + "mixer.", h, off)
+        elif block.mixer.hf_layer == HF_KIMI_DELTA_ATTENTION:  # Kimi Linear's KDA layers (its MLA layers: _mla_rules)
+            rules += _kda_rules(block.mixer, o + "mixer.", h)
         else:
             rules += mixer_rules(block.mixer, o + "mixer.", h)
         if isinstance(block.ffn, MoE):
@@ -295,6 +318,8 @@ def load_hf_weights(model, state_dict: dict, field: str = FIELD) -> None:
     otherwise one-line ConfigError naming the first tensor that does not fit."""
     arch = arch_for(model)
     sd = {k: v for k, v in state_dict.items() if not k.endswith(IGNORED_SUFFIXES)}
+    for pattern, name in arch.aliases:  # another name a checkpoint may hold a tensor under
+        sd = {re.sub(pattern, name, k): v for k, v in sd.items()}
     ours: dict[str, torch.Tensor] = {}
     for rule in _rules(model, arch):
         missing = [k for k in rule.hf if k not in sd]
