@@ -199,23 +199,6 @@ def test_static_decode_equals_full_forward(prompt_len, impl):
     assert cache.nbytes() == m.cache_bytes(x.shape[1], 2, torch.float64)
 
 
-def test_static_rows_of_other_lengths():
-    """Rows prefilled alone, then decoded together at their own positions: each equals its own full forward."""
-    m = _model()
-    g = torch.Generator().manual_seed(8)
-    rows = [torch.randint(0, V, (1, n), generator=g) for n in (13, 22, 17)]
-    cache = m.new_static_cache(3, 40, torch.float64)
-    with torch.no_grad():
-        for b, r in enumerate(rows):
-            m(r[:, :-9], cache=cache.row(b))
-        chunk = m(torch.cat([r[:, -9:-4] for r in rows]), cache=cache)
-        steps = [m(torch.cat([r[:, -4 + t:r.shape[1] - 3 + t] for r in rows]), cache=cache) for t in range(4)]
-        for b, r in enumerate(rows):
-            got = torch.cat([chunk[b:b + 1]] + [s[b:b + 1] for s in steps], 1)
-            torch.testing.assert_close(got, m(r)[:, -9:], atol=1e-10, rtol=0)
-    assert cache.nbytes() == sum(m.cache_bytes(r.shape[1], 1, torch.float64) for r in rows)
-
-
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_packed_documents_equal_each_alone(impl):
     """Outputs and gradients of a packed batch (document masks bound the selection) == each document alone."""

@@ -119,11 +119,16 @@ def test_import_cached_decode_equals_transformers(case, tmp_path):
     """q/k norms and Qwen3-Next's gated attention through the caches: prefill 9 tokens, then decode 7 one at
     a time on both sides (transformers with its own cache: KV for attention, conv + recurrent state for GDN and
     Mamba-2)."""
-    from tests.test_hf_parity_attention import CACHE_KW, hf_cache
-
     ref = HF_CASES[case]().eval()
     widen(ref)
-    ours = import_dir(save_hf(ref, tmp_path / case))
+    check_cached_decode(ref, import_dir(save_hf(ref, tmp_path / case)))
+
+
+def check_cached_decode(ref, ours) -> None:
+    """Prefill 9 tokens then decode 7 one at a time, transformers through its own cache and ours through ours:
+    the logits within the fp32 gap."""
+    from tests.test_hf_parity_attention import CACHE_KW, hf_cache
+
     idx = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = ref(input_ids=idx[:, :9], use_cache=True)

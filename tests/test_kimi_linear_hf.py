@@ -20,8 +20,8 @@ from attnzoo.config.errors import ConfigError  # noqa: E402
 from attnzoo.interop import hf  # noqa: E402
 from attnzoo.models.decoder import DecoderLM  # noqa: E402
 from tests.conftest import fp32_atol  # noqa: E402
-from tests.test_hf_io import RTOL, V, hf_forward, import_dir, one_line, our_model, widen  # noqa: E402
-from tests.test_hf_parity_attention import CACHE_KW, hf_cache  # noqa: E402
+from tests.test_hf_io import (RTOL, V, check_cached_decode, hf_forward, import_dir, one_line, our_model,  # noqa: E402
+                              widen)
 
 LINEAR, FULL = "linear_attention", "full_attention"  # KimiLinearConfig.layer_types: KDA, MLA
 
@@ -71,20 +71,7 @@ def test_import_cached_decode_and_greedy_tokens_equal_transformers(imported):
     """Each side through its own cache (transformers: conv + recurrent state for KDA, the latent for MLA; ours the
     same): prefill 9 tokens then 7 one at a time, logits within the fp32 gap; and 10 greedy tokens from 2 prompts."""
     ref, _, ours = imported
-    idx = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        out = ref(input_ids=idx[:, :9], use_cache=True)
-        want = [out.logits]
-        for t in range(9, 16):
-            out = ref(input_ids=idx[:, t: t + 1], use_cache=True, **{CACHE_KW: hf_cache(out)})
-            want.append(out.logits)
-
-    def decode(m):
-        cache = m.new_cache(1, 16, dtype=m.embed.weight.dtype)
-        return torch.cat([m(idx[:, :9], cache=cache)] + [m(idx[:, t: t + 1], cache=cache) for t in range(9, 16)], 1)
-
-    got, atol = fp32_atol(ours, decode)
-    torch.testing.assert_close(got, torch.cat(want, 1), atol=atol, rtol=RTOL)
+    check_cached_decode(ref, ours)
     prompt = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         greedy = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,

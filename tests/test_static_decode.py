@@ -88,11 +88,12 @@ def test_block_sparse_decode_step_reads_its_blocks_only(key, monkeypatch):
     assert mixer.decode_read_bytes(4 * L) - mixer.decode_read_bytes(L) < (mixer.cache_bytes(4 * L) - mixer.cache_bytes(L)) / 4
 
 
-@pytest.mark.parametrize("key", ["nsa", "moba"])
-def test_block_sparse_rows_of_other_lengths_and_continued_chunks(key):
-    """Rows prefilled alone then decoded together at their own positions (each completing blocks at other steps),
-    and a full-batch chunk of 5 tokens after the prefill: each row equals its own full forward."""
-    m = build(SPARSE[key]).double()
+@pytest.mark.parametrize("key", ["nsa", "moba", "dsa"])
+def test_sparse_rows_of_other_lengths_and_continued_chunks(key):
+    """Rows prefilled alone then decoded together at their own positions (each completing blocks, or reaching
+    DSA's top-k, at other steps), and a full-batch chunk of 5 tokens after the prefill: each row equals its own full
+    forward."""
+    m = build(SPARSE.get(key) or {"name": "dsa", "index_topk": 4}).double()
     g = torch.Generator().manual_seed(8)
     rows = [torch.randint(0, V, (1, n), generator=g) for n in (13, 22, 17)]
     cache = m.new_static_cache(3, 40, torch.float64)

@@ -210,6 +210,20 @@ class LinearAttentionConfig(MixerSpec):
 
 
 
+def validate_ssd_shape(cfg, model, field: str, positive: tuple) -> None:
+    """Mamba-2 / Mamba-3's sizes: the `positive` fields >= 1, head_dim (null: the model's) dividing expand * d_model,
+    n_groups dividing the heads."""
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"must be >= 1, got {getattr(cfg, key)}", field=f"{field}.{key}")
+    p = cfg.head_dim or model.head_dim
+    inner = cfg.expand * model.d_model
+    if p < 1 or inner % p:
+        raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
+    if (inner // p) % cfg.n_groups:
+        raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
+
+
 # ----------------------------------------------------------------------------- mamba2
 
 @dataclass
@@ -235,15 +249,7 @@ class Mamba2Config(MixerSpec):
         return self.expand * model.d_model // p, p, self.d_state
 
     def validate(self, model, field: str) -> None:
-        for key in ("expand", "d_state", "n_groups", "chunk_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
-        p = self.head_dim or model.head_dim
-        inner = self.expand * model.d_model
-        if p < 1 or inner % p:
-            raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
-        if (inner // p) % self.n_groups:
-            raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
+        validate_ssd_shape(self, model, field, ("expand", "d_state", "n_groups", "chunk_size"))
         check_init_ranges(self, field)
         if not (self.dt_init_floor >= 0 and math.isfinite(self.dt_init_floor)):  # NaN too
             raise ConfigError(f"must be >= 0, got {self.dt_init_floor}; allowed: a finite number >= 0 (1e-4: "
@@ -290,15 +296,7 @@ class Mamba3Config(MixerSpec):
         return (rotated - rotated % 2) // 2
 
     def validate(self, model, field: str) -> None:
-        for key in ("expand", "d_state", "n_groups", "mimo_rank", "chunk_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", field=f"{field}.{key}")
-        p = self.head_dim or model.head_dim
-        inner = self.expand * model.d_model
-        if p < 1 or inner % p:
-            raise ConfigError(f"head_dim={p} does not divide expand * d_model = {inner}", field=f"{field}.head_dim")
-        if (inner // p) % self.n_groups:
-            raise ConfigError(f"does not divide n_heads = {inner // p}", field=f"{field}.n_groups")
+        validate_ssd_shape(self, model, field, ("expand", "d_state", "n_groups", "mimo_rank", "chunk_size"))
         if not 0.0 <= self.rope_fraction <= 1.0:  # NaN too
             raise ConfigError(f"must be in [0, 1], got {self.rope_fraction}; allowed: 0 (no rotation), 0.5 (the "
                               f"paper's), 1.0", field=f"{field}.rope_fraction")
