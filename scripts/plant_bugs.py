@@ -15,8 +15,9 @@ restore the file (try/finally). A bug is "caught" when at least one of those tes
 8. MoBA with topk = 1 counts router scores it never computes.
 9. Linear attention's packed form goes back to a global prefix sum minus its value at the reset (rounding
    from an earlier document leaks into a later one).
-10-13. Issue 46's mixers: FoX's gate on the diagonal, a dropped Householder step, KDA's decay per head instead of
-   per channel, GDN-2's write gate broadcast over the value channels.
+10-15. Issue 46's mixers: FoX's gate on the diagonal, a dropped Householder step, KDA's decay per head instead of
+   per channel, GDN-2's write gate broadcast over the value channels, DSA's top-k off by one, Mamba-3's chunk form
+   without the trapezoid's previous-token term.
 """
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ BUGS = [
      "src/attnzoo/mixers/kda.py", "        return gdn2_as_generalized(k, erase, write, v, g)\n",
      "        return gdn2_as_generalized(k, erase, write.mean(-1, keepdim=True).expand_as(write), v, g)"
      "  # PLANTED\n", ["tests/test_kda.py"], None),
+    ("DSA's top-k off by one (each query keeps one key fewer)",
+     "src/attnzoo/ops/dsa.py", "descending=True, stable=True).indices[..., : min(topk, S)]\n",
+     "descending=True, stable=True).indices[..., : max(1, min(topk - 1, S))]  # PLANTED\n", ["tests/test_dsa.py"],
+     None),
+    ("Mamba-3's chunk form without the trapezoid's previous-token term",
+     "src/attnzoo/ops/trapezoidal_ssd.py", "    u = gamma + F.pad(w[..., 1:], (0, 1))",
+     "    u = gamma  # PLANTED", ["tests/test_mamba3.py"], None),
 ]
 
 
