@@ -186,17 +186,9 @@ def test_cached_decode_equals_full_forward(key, prompt_len):
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 @pytest.mark.parametrize("prompt_len", [1, 7, 20])
 def test_static_decode_equals_full_forward(prompt_len, impl):
-    from tests.test_static_decode import static_decode
+    from tests.test_static_decode import check_static_decode
 
-    m = _variant("qlora-absorb-always" if impl == "fast" else "default")
-    for mixer in m.mixers:
-        mixer.impl = impl
-    x = torch.randint(0, V, (2, prompt_len + 12), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        full = m(x)
-    out, cache = static_decode(m, x, prompt_len, 40)
-    torch.testing.assert_close(out, full, atol=1e-10, rtol=0)
-    assert cache.nbytes() == m.cache_bytes(x.shape[1], 2, torch.float64)
+    check_static_decode(_variant("qlora-absorb-always" if impl == "fast" else "default"), impl, prompt_len, 12)
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])

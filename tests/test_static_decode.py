@@ -52,10 +52,15 @@ SPARSE = {"nsa": {"name": "nsa", "block_size": 4, "block_counts": 3, "window": 5
 def test_block_sparse_static_decode_equals_full_forward(key, prompt_len, impl):
     """NSA / MoBA through their static block means, with selection over many blocks, in the fast (masked over every
     slot) and the reference (each query over its own keys) forms."""
-    m = build(SPARSE[key]).double()
+    check_static_decode(build(SPARSE[key]).double(), impl, prompt_len, 15)
+
+
+def check_static_decode(m, impl: str, prompt_len: int, steps: int) -> None:
+    """fp64 model m in form `impl`: a prompt then `steps` one-token steps through a static cache (2 rows) == the
+    full forward (1e-10), and the cache holds the analytic bytes."""
     for mixer in m.mixers:
         mixer.impl = impl
-    x = torch.randint(0, V, (2, prompt_len + 15), generator=torch.Generator().manual_seed(7))
+    x = torch.randint(0, V, (2, prompt_len + steps), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         full = m(x)
     out, cache = static_decode(m, x, prompt_len, 40)
