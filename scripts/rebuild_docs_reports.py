@@ -12,8 +12,10 @@ command line is the original's), runs attnzoo-report on it and copies report.md,
 What a CSV does not hold is given per report in REPORTS below, each from the docs that describe the sweep: the
 training length (data.seq_len), the data module's name (MQAR's plots need it).
 
-Not redrawn: curves.png (a metric vs step) needs each job's csv/metrics.csv, which report.csv does not hold; a
-report's curves.png stays the one its original run drew, and its report.md says so.
+Not redrawn: curves.png (a metric vs step) needs each job's csv/metrics.csv, which report.csv does not hold. The
+original runs' curves.png had the defects the current report code fixes (legends "max_flops=2000000000000.0",
+issue 47), so a stale one is removed rather than kept beside a report it does not match; the report.md says the
+curves are not drawn and why (rerun the sweep to get them).
 """
 from __future__ import annotations
 
@@ -114,8 +116,8 @@ def _copy_back(root: Path, dest: Path, flat: bool, name: str, html_dir: Path | N
     plots = dest if flat else dest / "plots"
     plots.mkdir(exist_ok=True)
     drawn = {p.name for p in (root / "plots").glob("*.png")}
-    for old in plots.glob("*.png"):  # a chart the report no longer draws (e.g. a degenerate one) goes
-        if old.name not in drawn and old.name != NOT_REDRAWN:
+    for old in plots.glob("*.png"):  # a chart the report no longer draws (a degenerate one, stale curves) goes
+        if old.name not in drawn:
             old.unlink()
     written = []
     for png in sorted((root / "plots").glob("*.png")):
@@ -124,11 +126,10 @@ def _copy_back(root: Path, dest: Path, flat: bool, name: str, html_dir: Path | N
     md = (root / "report.md").read_text()
     if flat:
         md = md.replace("](plots/", "](")
-    if (plots / NOT_REDRAWN).exists() and NOT_REDRAWN not in drawn:
-        link = NOT_REDRAWN if flat else f"plots/{NOT_REDRAWN}"
-        md += (f"\n{NOT_REDRAWN}: drawn by the sweep's own report from the jobs' csv/metrics.csv, which were not kept; "
-               f"this report was redrawn from report.csv (scripts/rebuild_docs_reports.py), which holds no curves.\n\n"
-               f"![{NOT_REDRAWN}]({link})\n")
+    if NOT_REDRAWN not in drawn:
+        md += (f"\nNot drawn: {NOT_REDRAWN} (the ranking metric vs step). It is drawn from the jobs' csv/metrics.csv, "
+               f"which were not kept; this report was redrawn from report.csv (scripts/rebuild_docs_reports.py), which "
+               f"holds each job's final numbers only. Rerun the sweep (its command above) to draw the curves.\n")
     (dest / "report.md").write_text(md)  # report.csv stays as it is: it is the source
     if html_dir is not None:
         (html_dir / name).mkdir(parents=True, exist_ok=True)

@@ -375,6 +375,15 @@ def _cases(tmp):
         ("needle depths on a text run", ["eval.niah_depths=[0,1]"], "eval.niah_depths", "is for data=needle runs"),
         ("needle depth outside [0, 1]", ["data=needle", "eval.niah_depths=[0,2]"], "eval.niah_depths",
          "allowed: fractions of the haystack in [0, 1]"),
+        ("needle prompts on a synthetic task", ["data=mqar", "eval.niah_tasks=[passkey]"], "eval.niah_tasks",
+         "are RULER's text prompts, for data=text runs; allowed with data=mqar: []"),
+        ("unknown needle task", ["eval.niah_tasks=[needle]"], "eval.niah_tasks",
+         "unknown task 'needle'; allowed: niah_single_1, niah_single_2"),
+        ("needle prompts past a learned position table", ["model/position=learned", "model.max_seq_len=64",
+                                                          "eval.niah_tasks=[passkey]"], "eval.niah_tasks",
+         "prompts of 32 tokens and their answers exceed the learned position table (model.max_seq_len=64)"),
+        ("needle prompts no length holds", ["eval.niah_tasks=[passkey]", "eval.context_lengths=[48]"],
+         "eval.niah_tasks", "passkey's question and needles alone take"),
     ]
     if not torch.cuda.is_available():
         cases.append(("gpu without a gpu", ["trainer=gpu"], "trainer.accelerator", "no CUDA device"))

@@ -263,13 +263,16 @@ def test_command_line_end_to_end(run_dir, tmp_path):
            "ATTNZOO_TEST_CACHE": str(SESSION_CACHE)}
     # the console script's own path: "attnzoo" registered lazily (lm_eval_cli), the class imported by lm_eval
     r = run_python(["-c", "from attnzoo.cli.scripts import lm_eval; lm_eval()", "--model", "attnzoo", "--model_args",
-                    f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen", "--include_path", str(tasks),
+                    f"path={run_dir}", "--tasks", "attnzoo_tiny_mc,attnzoo_tiny_gen,attnzoo_passkey", "--include_path",
+                    str(tasks), "--metadata", '{"max_seq_lengths": [256], "depths": [0.5], "num_samples": 1}',
                     "--device", "cpu", "--batch_size", "4", "--output_path", str(tmp_path / "out")],
                    cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (result,) = (tmp_path / "out").rglob("results_*.json")
     res = json.loads(result.read_text())["results"]
     assert "acc,none" in res["attnzoo_tiny_mc"] and "exact_match,none" in res["attnzoo_tiny_gen"]
+    # the shipped attnzoo_niah tasks found beside the caller's --include_path, one prompt at the length asked for
+    assert res["attnzoo_passkey"]["256,none"] in (0.0, 1.0) and res["attnzoo_passkey"]["512,none"] == -1
 
 
 def test_a_hybrid_with_recurrent_layers(tmp_path):
@@ -286,3 +289,41 @@ def test_a_hybrid_with_recurrent_layers(tmp_path):
         assert ll == pytest.approx(wll, abs=1e-5) and g == wg
     full = greedy(lm, "class ", 10)
     assert lm.generate_until([request("generate_until", "class ", {"until": [], "max_gen_toks": 10})]) == [full]
+
+
+def test_offline_niah_tasks_are_attnzoo_evals_prompts_scored_as_ruler(lm, run_dir, offline):
+    """The shipped tasks `attnzoo_<name>` (inference/lm_eval_tasks): each doc is attnzoo-eval --task niah's prompt
+    for the same settings and seed (data/needles.make_samples on the run's tokenizer and corpus), and each length's
+    column and `acc` are the string_match_all of the adapter's own greedy completions; a length outside the metric
+    columns is refused in one line."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from attnzoo.data.needles import make_samples, score
+    from attnzoo.inference.lm_eval_cli import TASKS_DIR
+    from attnzoo.inference.lm_eval_tasks import niah_utils
+    from attnzoo.inference.niah import haystack_text
+
+    meta = {"path": str(run_dir), "max_seq_lengths": [512, 1024], "depths": [0.0, 1.0], "num_samples": 1}
+    out = lm_eval.simple_evaluate(model=lm, tasks=["attnzoo_passkey", "attnzoo_niah_single_2"], bootstrap_iters=0,
+                                  task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
+                                                           metadata=meta),
+                                  gen_kwargs="max_gen_toks=8", log_samples=True)
+    run = niah_utils._run(str(run_dir))
+    for task in ("passkey", "niah_single_2"):
+        want = make_samples([task], [512, 1024], [0.0, 1.0], 1, run.encode, haystack_text(run, None)[0], 0)
+        docs = out["samples"][f"attnzoo_{task}"]
+        assert [d["doc"]["input"] for d in sorted(docs, key=lambda d: d["doc_id"])] == [s.prompt for s in want]
+        gens = lm.generate_until([request("generate_until", s.prompt, {"until": [], "max_gen_toks": 8})
+                                  for s in want])
+        scores = [score(g.strip(), s.answers) for g, s in zip(gens, want)]
+        res = out["results"][f"attnzoo_{task}"]
+        assert res["acc,none"] == pytest.approx(sum(scores) / 4)
+        assert res["512,none"] == pytest.approx(sum(scores[:2]) / 2) and res["1024,none"] == pytest.approx(sum(scores[2:]) / 2)
+        assert res["256,none"] == -1  # not asked for: RULER's convention
+    doc = {"outputs": ["1234567", "7654321"], "max_length": 128}
+    assert niah_utils.process_results(doc, [" 1234567 and 42"])["128"] == 0.5 == niah_utils.aggregate([0.5, -1])
+    with pytest.raises(ConfigError, match=r"metadata.max_seq_lengths: got 300; allowed: powers of two 64 \.\. 131072"):
+        niah_utils.passkey(path=str(run_dir), max_seq_lengths=[300])
+    with pytest.raises(ConfigError, match="metadata.tokenizer: no tokenizer"):
+        niah_utils.passkey(max_seq_lengths=[256])

@@ -102,11 +102,45 @@ def test_the_sweep_report_shows_each_variants_needle_grid(tmp_path):
         write_job(job, [f"model/mixer={mixer}", f"optim.lr={lr}"], {"val/acc": acc, "val/loss": 1.0 - acc})
         (job / "niah.json").write_text(json.dumps(result))
     rep = build_report(tmp_path / "needle")
-    assert set(rep["niah"]) == {"model/mixer=gqa", "model/mixer=gated_deltanet"}
-    gqa = rep["niah"]["model/mixer=gqa"]  # the lr with the best val/acc, not the other one's zeros
+    assert set(rep["niah"]) == {"needle"} and set(rep["niah"]["needle"]) == {"model/mixer=gqa", "model/mixer=gated_deltanet"}
+    gqa = rep["niah"]["needle"]["model/mixer=gqa"]  # the lr with the best val/acc, not the other one's zeros
     assert gqa["by_length"] == {"64": 1.0, "128": 0.375} and gqa["mean"] == pytest.approx(0.6875)
     md = (tmp_path / "needle" / "report.md").read_text()
     assert "| model/mixer=gqa | 1.000 | 0.375 | 0.688 |" in md and "| model/mixer=gated_deltanet | 0.875 | 0.750 |" in md
     assert "![niah](plots/niah.png)" in md and "<h2>Needle in a haystack</h2>" in (tmp_path / "needle" / "report.html").read_text()
     image = plt.imread(tmp_path / "needle" / "plots" / "niah.png")
     assert image.shape[1] > image.shape[0] > 100  # two panels side by side
+
+
+def test_a_text_run_evaluates_rulers_tasks_at_its_end_as_attnzoo_eval_does(tmp_path, capsys):
+    """eval.niah_tasks on a text run: after training, niah.json / niah.png and niah/<task>@<length>@<depth> in the
+    summary, each cell what attnzoo-eval --task niah gives on the same checkpoint with the run's seed and the same
+    completion length; a length too short for a task's question (the training length, 64 characters) is left out
+    of its grid and said so. The sweep report draws one heatmap figure and one table per task."""
+    from attnzoo.analysis.report import build_report
+    from tests.test_report_html import write_job
+
+    out = tmp_path / "sweep" / "0"
+    train(compose_cfg([*RUN, "eval.context_lengths=[400]", "eval.niah_tasks=[passkey,niah_single_2]",
+                       "eval.niah_depths=[0,1]", "eval.niah_samples=2"], out))
+    assert "niah: passkey left out at 64 tokens" in capsys.readouterr().out
+    res = json.loads((out / "niah.json").read_text())
+    assert res["too_short"] == {"passkey": [64], "niah_single_2": [64]} and (out / "niah.png").stat().st_size > 10_000
+    metrics = json.loads((out / "summary.json").read_text())["metrics"]
+    seed = json.loads((out / "summary.json").read_text())["config"]["seed"]
+    for task in ("passkey", "niah_single_2"):
+        assert {f"niah/{task}@400@0.0", f"niah/{task}@400@1.0"} <= set(metrics)
+        eval_main([str(out), "--task", "niah", "--niah-tasks", task, "--lengths", "400", "--depths", "0", "1",
+                   "--samples", "2", "--batch-size", "2", "--seed", str(seed), "--max-new-tokens",
+                   str(res["new_tokens"][task]), "--out", str(tmp_path / f"{task}.json")])
+        want = json.loads((tmp_path / f"{task}.json").read_text())
+        assert res["accuracy"][task] == want["accuracy"][task]
+        assert metrics[f"niah/{task}@400@1.0"] == want["accuracy"][task]["400"]["1.0"]
+    write_job(tmp_path / "sweep" / "1", ["model/mixer=gqa"], {"val/loss": 9.0})  # a job without the grid
+    (out / ".hydra").mkdir(exist_ok=True)
+    (out / ".hydra" / "overrides.yaml").write_text("- model/mixer=gated_deltanet\n")
+    rep = build_report(tmp_path / "sweep")
+    assert set(rep["niah"]) == {"passkey", "niah_single_2"}
+    md = (tmp_path / "sweep" / "report.md").read_text()
+    assert "### passkey" in md and "![niah](plots/niah_niah_single_2.png)" in md
+    assert (tmp_path / "sweep" / "plots" / "niah_passkey.png").is_file()

@@ -1,7 +1,8 @@
-"""The needle-in-a-haystack grid's computation and figure, below the training layer (the end of a data=needle run
-computes it: training/measure.py eval.niah_depths; attnzoo-eval --task niah: inference/niah.py): `needle_cells` (a
-data=needle module's task regenerated per length and depth, scored by val/acc), `heatmap` (depth x length per task)
-and `write` (the JSON and its heatmap beside it)."""
+"""The needle-in-a-haystack grid's computation and figure, below the training layer (the end of a run computes it:
+training/measure.py eval.niah_depths / eval.niah_tasks; attnzoo-eval --task niah: inference/niah.py): `needle_cells`
+(a data=needle module's task regenerated per length and depth, scored by val/acc), `text_cells` (RULER's tasks as
+text prompts, completed greedily through the static-cache decoder, scored by string_match_all), `heatmap` (depth x
+length per task) and `write` (the JSON and its heatmap beside it)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,48 @@ def needle_cells(lit, dm, data_cfg, lengths, depths, samples: int, batch_size: i
             loader = DataLoader(other.val_set, batch_size=batch_size, shuffle=False, collate_fn=other.collate_fn)
             cells.setdefault(int(length), {})[float(depth)] = [evaluate_loader(lit, loader)["val/acc"]]
     return summarise_cells({"needle": cells})
+
+
+def completion_tokens(encode, samples, given=None) -> int:
+    """New tokens per prompt: `given`, or enough for every sample's answers written out (RULER generates 128
+    for NIAH; these answers are a few dozen characters)."""
+    if given is not None:
+        return given
+    return max(len(encode(" " + ", ".join(s.answers) + ".")) for s in samples) + 4
+
+
+@torch.no_grad()
+def evaluate_needles(model, encode, decode, samples, new_tokens: int, batch: int = 4) -> list[float]:
+    """The score of each sample's greedy completion (static-cache decode, `batch` prompts at a time)."""
+    from attnzoo.data.needles import score
+    from attnzoo.models.decoding import Decoder
+
+    out: list[float] = []
+    ids = [encode(s.prompt) for s in samples]
+    dec = Decoder(model, min(batch, len(samples)), max(map(len, ids)) + new_tokens, compile=False)
+    for start in range(0, len(samples), dec.batch):
+        gen = dec.generate(ids[start:start + dec.batch], new_tokens, temperature=0.0, decode=decode)
+        out += [score(text, s.answers) for text, s in zip(gen.text, samples[start:start + dec.batch])]
+    return out
+
+
+def summarise(samples, scores) -> dict:
+    """accuracy[task][length][depth], by_length[task][length], by_task[task]: means of the samples' scores."""
+    cells: dict = {}
+    for s, v in zip(samples, scores):
+        cells.setdefault(s.task, {}).setdefault(s.length, {}).setdefault(s.depth, []).append(v)
+    return summarise_cells(cells)
+
+
+def text_cells(model, encode, decode, text: str, tasks, lengths, depths, samples: int, seed: int = 0,
+               batch: int = 4, new_tokens: int | None = None) -> dict:
+    """RULER's tasks (data/needles.py) at each (task, length, depth), `samples` prompts a cell from the haystack
+    `text`, completed greedily and scored: summarise's dict and the completion length (`new_tokens`)."""
+    from attnzoo.data.needles import make_samples
+
+    prompts = make_samples(list(tasks), list(lengths), list(depths), samples, encode, text, seed)
+    n = completion_tokens(encode, prompts, new_tokens)
+    return {"new_tokens": n, **summarise(prompts, evaluate_needles(model, encode, decode, prompts, n, batch))}
 
 
 def summarise_cells(cells: dict) -> dict:

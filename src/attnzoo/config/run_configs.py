@@ -39,10 +39,13 @@ class PerfConfig:
 class EvalConfig:
     context_lengths: List[int] = field(default_factory=list)  # extra evaluation lengths (attnzoo.analysis.extrapolation)
     max_batches: int = 8  # batches per length
-    # data=needle: needle depths evaluated at data.seq_len and each context length at the end of the run (niah.json,
-    # niah.png, niah/acc@<length>@<depth> in the metrics; inference/niah.py); []: none
+    # the needle-in-a-haystack grid at data.seq_len and each context length at the end of the run (niah.json,
+    # niah.png; analysis/niah.py). data=needle: the depths of the task it trained on (niah/acc@<length>@<depth>);
+    # data=text: RULER's tasks named in niah_tasks (data/needles.py) at these depths ([]: 0, 0.5, 1), completed
+    # greedily (niah/<task>@<length>@<depth>); []: none
     niah_depths: List[float] = field(default_factory=list)
-    niah_samples: int = 256  # examples per (length, depth)
+    niah_tasks: List[str] = field(default_factory=list)
+    niah_samples: Optional[int] = None  # examples per (length, depth) (null: 256 on data=needle, 4 prompts on text)
 
 
 @dataclass

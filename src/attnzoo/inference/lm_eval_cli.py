@@ -4,10 +4,13 @@ the model, so `--help`, a listed task or a refused option costs lm_eval's import
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from attnzoo.config.errors import ConfigError
 
 TARGET = "attnzoo.inference.lm_eval:AttnzooLM"
+# the offline needle-in-a-haystack tasks (tag attnzoo_niah; lm_eval_tasks/niah_utils.py): on --include_path always
+TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 
 
 def register_lazily() -> None:
@@ -46,14 +49,36 @@ def precheck(argv: list[str]) -> None:
         precheck_checkpoint(args["path"].strip(), args.get("best", "").strip() in ("true", "True", "1"))
 
 
+def add_our_tasks() -> None:
+    """lm_eval's CLI builds `lm_eval.tasks.TaskManager(include_path=<--include_path>)` (one folder in 0.4.13): in this
+    process it gets a TaskManager that also indexes TASKS_DIR, after the caller's own folder."""
+    import lm_eval.tasks
+
+    base = lm_eval.tasks.TaskManager
+    if getattr(base, "attnzoo_tasks", False):
+        return
+
+    class TaskManager(base):  # type: ignore[misc, valid-type]
+        attnzoo_tasks = True
+
+        def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
+            paths = ([] if include_path is None else
+                     list(include_path) if isinstance(include_path, (list, tuple)) else [include_path])
+            super().__init__(verbosity, [*paths, str(TASKS_DIR)], include_defaults, metadata)
+
+    lm_eval.tasks.TaskManager = TaskManager
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`attnzoo-lm-eval ...`: lm_eval's own command line (same arguments), with "attnzoo" registered."""
+    """`attnzoo-lm-eval ...`: lm_eval's own command line (same arguments), with "attnzoo" registered and the
+    `attnzoo_niah` tasks on its include path."""
     argv = sys.argv[1:] if argv is None else argv
     saved = sys.argv
     sys.argv = ["attnzoo-lm-eval", *argv]
     try:
         precheck(argv)
         register_lazily()
+        add_our_tasks()
         from lm_eval.__main__ import cli_evaluate
 
         cli_evaluate()

@@ -17,19 +17,12 @@ from pathlib import Path
 
 import torch
 
-from attnzoo.analysis.niah import heatmap, needle_cells, summarise_cells, write  # noqa: F401 (re-exported)
+from attnzoo.analysis.niah import (completion_tokens, evaluate_needles, heatmap, needle_cells,  # noqa: F401 (re-exported)
+                                   summarise, summarise_cells, write)
 from attnzoo.config.errors import ConfigError
 from attnzoo.data.corpus import load_corpus
-from attnzoo.data.needles import make_samples, score
-from attnzoo.models.decoding import Decoder, position_table
-
-
-def completion_tokens(run, samples, given) -> int:
-    """New tokens per prompt: `given`, or enough for every sample's answers written out (RULER generates 128
-    for NIAH; these answers are a few dozen characters)."""
-    if given is not None:
-        return given
-    return max(len(run.encode(" " + ", ".join(s.answers) + ".")) for s in samples) + 4
+from attnzoo.data.needles import make_samples
+from attnzoo.models.decoding import position_table
 
 
 def check_lengths(run, lengths, new_tokens: int, extrapolate: bool) -> None:
@@ -53,28 +46,6 @@ def haystack_text(run, path) -> tuple[str, str]:
         return load_corpus(str(path), 1 << 22)
     data = run.config.get("data") or {}
     return load_corpus(data.get("path") if data.get("name", "text") == "text" else None, 1 << 22)
-
-
-@torch.no_grad()
-def evaluate_needles(run, samples, new_tokens: int, batch: int = 4) -> list[float]:
-    """The score of each sample's greedy completion (static-cache decode, `batch` prompts at a time)."""
-    out: list[float] = []
-    ids = [run.encode(s.prompt) for s in samples]
-    dec = Decoder(run.model, min(batch, len(samples)), max(map(len, ids)) + new_tokens, compile=False)
-    for start in range(0, len(samples), dec.batch):
-        gen = dec.generate(ids[start:start + dec.batch], new_tokens, temperature=0.0, decode=run.decode)
-        out += [score(text, s.answers) for text, s in zip(gen.text, samples[start:start + dec.batch])]
-    return out
-
-
-def summarise(samples, scores) -> dict:
-    """accuracy[task][length][depth], by_length[task][length], by_task[task]: means of the samples' scores."""
-    cells: dict = {}
-    for s, v in zip(samples, scores):
-        cells.setdefault(s.task, {}).setdefault(s.length, {}).setdefault(s.depth, []).append(v)
-    return summarise_cells(cells)
-
-
 
 
 @torch.no_grad()
@@ -109,9 +80,9 @@ def run_niah(args: argparse.Namespace, run) -> dict:
                           f"text (its prompts are English) or on data=needle", field="--task")
     text, source = haystack_text(run, args.haystack)
     samples = make_samples(args.niah_tasks, args.lengths, args.depths, args.samples, run.encode, text, args.seed)
-    new_tokens = completion_tokens(run, samples, args.max_new_tokens)
+    new_tokens = completion_tokens(run.encode, samples, args.max_new_tokens)
     check_lengths(run, args.lengths, new_tokens, args.extrapolate)
-    scores = evaluate_needles(run, samples, new_tokens, args.batch_size)
+    scores = evaluate_needles(run.model, run.encode, run.decode, samples, new_tokens, args.batch_size)
     result = {"task": "niah", "checkpoint": str(run.checkpoint), "global_step": run.global_step,
               "haystack": source, "samples_per_cell": args.samples, "seed": args.seed, "new_tokens": new_tokens,
               "metric": "string_match_all (RULER): the fraction of a sample's answers in its greedy completion",

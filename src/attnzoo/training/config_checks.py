@@ -23,6 +23,7 @@ from attnzoo.ops.triton_interpreter import interpreting
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget, check_budget_floor
+from attnzoo.training.eval_checks import check_niah
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
 from attnzoo.training.recipe_checks import check_checkpoints, check_optim, check_scheduler, run_checkpoint
@@ -153,13 +154,7 @@ def _check_eval(ev, model: ModelConfig, data: Any) -> None:
         too_long = [L for L in lengths if L > model.max_seq_len]
         check(not too_long, "eval.context_lengths", f"{too_long} exceed the learned position table "
               f"(model.max_seq_len={model.max_seq_len}); allowed: <= {model.max_seq_len}, or another position")
-    depths = list(ev.niah_depths or [])
-    if depths:
-        check(getattr(data, "name", None) == "needle", "eval.niah_depths", f"is for data=needle runs (the task they "
-              f"trained on); allowed with data={getattr(data, 'name', '?')}: [] (a text run: attnzoo-eval RUN --task niah)")
-        check(all(isinstance(d, (int, float)) and 0.0 <= d <= 1.0 for d in depths), "eval.niah_depths",
-              f"got {depths}; allowed: fractions of the haystack in [0, 1], e.g. [0, 0.5, 1]")
-        check(ev.niah_samples >= 1, "eval.niah_samples", f"must be >= 1, got {ev.niah_samples}")
+    check_niah(ev, model, data)
     pairs = getattr(data, "num_kv_pairs", None)
     if pairs and lengths:
         short = [L for L in lengths if L < 4 * pairs]

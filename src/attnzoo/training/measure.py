@@ -103,23 +103,55 @@ def final_metrics(trainer, lit, dm, parts: dict, budget: dict, throughput, famil
                 at = measure_inference(model, int(L), run.perf.decode_tokens, dm.vocab_size, infer_dtype,
                                        compile=decode_compile(run, next(model.parameters()).device))
                 metrics.update({f"{k}@{L}": v for k, v in at.items()})
-    if run.eval.niah_depths and trainer.is_global_zero and family.decoder_only:  # data=needle: the depth x length grid
-        metrics.update(niah_at_the_end(lit, dm, data_cfg, run))
+    if (run.eval.niah_depths or run.eval.niah_tasks) and trainer.is_global_zero and family.decoder_only:
+        metrics.update(niah_at_the_end(lit, dm, data_cfg, run))  # the needle depth x length grid
     return metrics
 
 
 def niah_at_the_end(lit, dm, data_cfg, run) -> dict:
-    """eval.niah_depths (data=needle): val/acc per (length, depth) at data.seq_len and each eval.context_length,
-    written to <run dir>/niah.json and niah.png (inference/niah.py, the figure attnzoo-eval --task niah makes) and
-    returned as niah/acc@<length>@<depth>."""
+    """The needle-in-a-haystack grid at data.seq_len and each eval.context_length, written to <run dir>/niah.json
+    and niah.png (the figure attnzoo-eval --task niah makes). data=needle (eval.niah_depths): the task the run
+    trained on, regenerated per cell and scored by val/acc (niah/acc@<length>@<depth>). data=text
+    (eval.niah_tasks): RULER's prompts from the run's corpus in its tokens, completed greedily through the
+    static-cache decoder and scored by string_match_all (niah/<task>@<length>@<depth>); attnzoo-eval's prompts."""
     from pathlib import Path
 
-    from attnzoo.analysis.niah import needle_cells, write
+    from attnzoo.analysis.niah import needle_cells, text_cells, write
+    from attnzoo.training.eval_checks import TEXT_DEPTHS, check_niah_prompts, niah_lengths
 
-    lengths = [data_cfg.seq_len, *[int(L) for L in run.eval.context_lengths if int(L) != data_cfg.seq_len]]
-    grid = needle_cells(lit, dm, data_cfg, lengths, run.eval.niah_depths, run.eval.niah_samples, data_cfg.batch_size)
+    lengths = niah_lengths(run.eval, data_cfg)
     out = Path(run.paths.output_dir) / "niah.json"
-    write({"task": "niah", "checkpoint": str(out.parent / "checkpoints" / "last.ckpt"), "global_step": int(lit.global_step),
-           "haystack": "data=needle (the token task the run trained on)", "samples_per_cell": run.eval.niah_samples,
-           "metric": "val/acc: the needle's value tokens right after the query (teacher-forced)", **grid}, out)
-    return {f"niah/acc@{L}@{d}": v for L, ds in grid["accuracy"]["needle"].items() for d, v in ds.items()}
+    head = {"task": "niah", "checkpoint": str(out.parent / "checkpoints" / "last.ckpt"), "global_step": int(lit.global_step)}
+    if not run.eval.niah_tasks:
+        samples = run.eval.niah_samples or 256
+        grid = needle_cells(lit, dm, data_cfg, lengths, run.eval.niah_depths, samples, data_cfg.batch_size)
+        write({**head, "haystack": "data=needle (the token task the run trained on)", "samples_per_cell": samples,
+               "metric": "val/acc: the needle's value tokens right after the query (teacher-forced)", **grid}, out)
+        return {f"niah/acc@{L}@{d}": v for L, ds in grid["accuracy"]["needle"].items() for d, v in ds.items()}
+    samples, was_training = run.eval.niah_samples or 4, lit.model.training
+    text, source = niah_haystack(data_cfg)
+    fits = check_niah_prompts(run.eval, data_cfg, dm.encode, text)  # as before training: each task's lengths
+    grid: dict = {"new_tokens": {}, "accuracy": {}, "by_length": {}, "by_task": {}}
+    lit.model.eval()
+    try:
+        for task, task_lengths in fits.items():
+            cells = text_cells(lit.model, dm.encode, dm.decode, text, [task], task_lengths,
+                               run.eval.niah_depths or TEXT_DEPTHS, samples, seed=run.seed, batch=min(samples, 8))
+            for key in grid:
+                grid[key][task] = cells[key] if key == "new_tokens" else cells[key][task]
+    finally:
+        lit.model.train(was_training)
+    short = {t: [L for L in lengths if L not in fits[t]] for t in fits if len(fits[t]) < len(lengths)}
+    for task, ls in short.items():
+        print(f"niah: {task} left out at {', '.join(map(str, ls))} tokens (its question and needles do not fit)")
+    write({**head, "haystack": source, "samples_per_cell": samples, "seed": run.seed,
+           "metric": "string_match_all (RULER): the fraction of a sample's answers in its greedy completion",
+           **({"too_short": short} if short else {}), **grid}, out)
+    return {f"niah/{t}@{L}@{d}": v for t, ls in grid["accuracy"].items() for L, ds in ls.items() for d, v in ds.items()}
+
+
+def niah_haystack(data_cfg) -> tuple[str, str]:
+    """(the text haystack, where it came from): the run's corpus (data.path; the embedded one for null)."""
+    from attnzoo.data.corpus import load_corpus
+
+    return load_corpus(data_cfg.path, 1 << 22)

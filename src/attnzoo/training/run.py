@@ -26,7 +26,8 @@ from attnzoo.training.config_checks import check_devices_present, validate
 from attnzoo.training.console import ConsoleLog
 from attnzoo.training.launch import check_launchable, launch_workers, processes_to_launch, warm_workers
 from attnzoo.training.linearize import apply_linearize
-from attnzoo.training.measure import final_metrics
+from attnzoo.training.eval_checks import check_niah_prompts
+from attnzoo.training.measure import final_metrics, niah_haystack
 from attnzoo.training.recipe_checks import run_checkpoint
 from attnzoo.training.rundir import run_dir_lock
 from attnzoo.training.summary import finish, run_summary
@@ -97,6 +98,8 @@ def _train(cfg: DictConfig, parts: dict, out: Path, t_start: float, on_accept=No
         warm_workers()
     dm, budget = prepare_data(parts, container)
     check_init_vocab(container["model"], dm.vocab_size)  # an imported model's embedding fits the data's ids
+    if run.eval.niah_tasks:  # the end of the run's needle prompts fit its lengths (in the data's own tokens)
+        check_niah_prompts(run.eval, parts["data"], dm.encode, niah_haystack(parts["data"])[0])
     if ckpt is not None:  # before anything is built or written: a refused resume leaves the run dir as it was
         check_resume_compatible((ckpt.get("hyper_parameters") or {}).get("cfg"), container, ckpt_path)
     if n_workers:  # DDP on this node: fresh worker processes on this job's resolved config

@@ -44,7 +44,7 @@ def build_report(root: str | Path) -> dict:
 
     needles = niah.study(best)  # data=needle jobs with their depth x length grid (niah.json)
     if needles:
-        niah.draw(needles, plots_dir / "niah.png")
+        needle_plots = niah.draw(needles, plots_dir)
     write_csv(jobs, root / "report.csv")
     n_ok = sum(j["status"] == "ok" for j in jobs)
     command = _sweep_command(root)
@@ -67,7 +67,7 @@ def build_report(root: str | Path) -> dict:
                                            + (niah.html_section(needles) if needles else ""), best_title))
     return {"jobs": jobs, "best": best, "charts": charts, "scaling": study, "niah": needles,
             "files": {"csv": root / "report.csv", "md": root / "report.md", "html": root / "report.html", **plots,
-                      **({"niah.png": plots_dir / "niah.png"} if needles else {})}}
+                      **(needle_plots if needles else {})}}
 
 
 def _sweep_command(root: Path) -> str:
