@@ -63,7 +63,7 @@ def _lengths(variants: dict) -> list[str]:
 def markdown(grids: dict) -> str:
     out = ["## Needle in a haystack", "",
            "Accuracy at each context length, averaged over the needle depths (each variant's grid: "
-           "`<job>/niah.json`; "-": a length too short for the task's question and needles).", ""]
+           "`<job>/niah.json`; '-': a length too short for the task's question and needles).", ""]
     for task, variants in grids.items():
         lengths = _lengths(variants)
         rows = [f"| {label} | " + " | ".join(f"{g['by_length'][L]:.3f}" if L in g["by_length"] else "-"
