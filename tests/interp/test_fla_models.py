@@ -33,6 +33,7 @@ MIXERS = {
     "hgrn2": {"name": "hgrn2"},
     "mamba2": {"name": "mamba2"},
     "rwkv7": {"name": "rwkv7"},
+    "kda": {"name": "kda"},  # fla's own chunk_kda (the mixer hands it the raw q, k, v, g, beta)
 }
 HYBRID = "hybrid-gated_deltanet+gqa"
 # fp16 only (tests/interp/test_fla_models_fp16.py): taylor2's feature size 1 + d + d^2 is always odd (73 at
@@ -59,10 +60,10 @@ def batches(n: int):
 
 
 def count_fla_calls(monkeypatch) -> list:
-    """A spy on the four wrappers (the mixers import them at call time): the fla path really ran."""
+    """A spy on the five wrappers (the mixers import them at call time): the fla path really ran."""
     calls = []
     for name in ("fla_chunk_delta_rule", "fla_chunk_linear_attention", "fla_chunk_gated_linear_attention",
-                 "fla_chunk_generalized_delta_rule"):
+                 "fla_chunk_generalized_delta_rule", "fla_chunk_kda"):
         original = getattr(fla_kernels, name)
 
         def spy(*a, _original=original, _name=name, **kw):

@@ -24,6 +24,7 @@ from attnzoo.ops.delta_rule import chunk_delta_rule
 from attnzoo.ops.gated_linear_attention import chunk_gated_linear_attention
 from attnzoo.ops.generalized_delta_rule import chunk_generalized_delta_rule
 from attnzoo.ops.linear_attention import chunk_linear_attention
+from attnzoo.mixers.kda import kda_as_generalized
 from tests.conftest import gap_atol
 
 FP16_FACTOR = 8.0
@@ -51,6 +52,10 @@ def inputs(kind: str, B: int, H: int, T: int, D: int, h0: bool, seed: int = 0) -
         t = {"q": r(B, H, T, D), "k": r(B, H, T, D), "v": r(B, H, T, D),
              "g": F.logsigmoid(r(B, H, T, D if kind == "gla" else 1) + 3.0)}
         Dv = D
+    elif kind == "kda":  # KDA: the gated delta rule with a log-decay per key channel
+        t = {"q": _l2(r(B, H, T, D)), "k": _l2(r(B, H, T, D)), "v": r(B, H, T, D), "beta": torch.sigmoid(r(B, H, T)),
+             "g": -0.5 * F.softplus(r(B, H, T, D))}
+        Dv = D
     elif kind == "dplr":  # RWKV-7: a = -kk, b = kk * lr, a decay per key channel
         kk = _l2(r(B, H, T, D))
         t = {"q": r(B, H, T, D), "k": _l2(r(B, H, T, D)) * 0.5, "v": r(B, H, T, D), "a": -kk,
@@ -70,6 +75,9 @@ def torch_op(kind: str, t: dict, chunk_size: int):
         return chunk_linear_attention(t["q"], t["k"], t["v"], t["h0"], chunk_size=chunk_size)
     if kind in ("gla", "simple_gla"):
         return chunk_gated_linear_attention(t["q"], t["k"], t["v"], t["g"], t["h0"], chunk_size=chunk_size)
+    if kind == "kda":  # KDA as the mixer runs it on torch: the generalized rule on kda_as_generalized's inputs
+        kw, a, b = kda_as_generalized(t["k"], t["beta"], t["g"])
+        return chunk_generalized_delta_rule(t["q"], kw, t["v"], a, b, t["g"], t["h0"], chunk_size=chunk_size)
     return chunk_generalized_delta_rule(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], t["h0"], 1.0, chunk_size)
 
 
@@ -82,6 +90,8 @@ def fla_op(kind: str, t: dict, dtype: torch.dtype, chunk_size: int):
         return fla_kernels.fla_chunk_linear_attention(t["q"], t["k"], t["v"], t["h0"], dtype=dtype)
     if kind in ("gla", "simple_gla"):
         return fla_kernels.fla_chunk_gated_linear_attention(t["q"], t["k"], t["v"], t["g"], t["h0"], dtype=dtype)
+    if kind == "kda":
+        return fla_kernels.fla_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], t["h0"], dtype=dtype)
     return fla_kernels.fla_chunk_generalized_delta_rule(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], t["h0"], 1.0,
                                                         dtype=dtype)
 
@@ -108,7 +118,7 @@ def fp16_atol(rounded: torch.Tensor, exact: torch.Tensor) -> float:
     return FP16_FACTOR * max((rounded - exact).abs().max().item(), FP16_EPS * size)
 
 
-KINDS = ["delta_rule", "gated_delta_rule", "linear_attention", "simple_gla", "gla", "dplr"]
+KINDS = ["delta_rule", "gated_delta_rule", "linear_attention", "simple_gla", "gla", "dplr", "kda"]
 FLA_CHUNK = {"dplr": 16}  # fla's chunk length per kernel (chunk_dplr_delta_rule: 16; the others 64)
 # the interpreter runs every block in numpy (seconds per call): two shapes per kernel, between them below one chunk,
 # several chunks with a ragged last one, batch 2 and heads 2, with and without an initial state:

@@ -13,8 +13,10 @@ low-rank) delta rule of ops/generalized_delta_rule.py, which RWKV-7 runs:
 
 so its three forms (the per-token recurrence as the reference, the chunkwise WY / UT form, the one-token step) and
 its context-parallel scan and packing resets serve KDA unchanged; fla-core's `naive_recurrent_kda` /
-`naive_chunk_kda` are the independent check (tests/test_kda.py). fla's Triton `chunk_kda` is not wired: every device
-runs the torch chunkwise form.
+`naive_chunk_kda` are the independent check (tests/test_kda.py). Where ops/dispatch.py picks fla (CUDA, or a CPU under
+Triton's interpreter), the chunk form is fla's own `chunk_kda` on the raw (q, k, v, g, beta): the same rule, tested
+equal under the interpreter (tests/interp). Gated DeltaNet-2 below has no fla path (its ops/gdn2 kernels are not
+wired).
 
 Whole models: KDA layers with MLA layers (NoPE) and DeepSeek-V3's MoE import from and export to transformers'
 `KimiLinearForCausalLM` (interop/hf; its layer_types <-> model.pattern, as Qwen3-Next's), or every layer KDA.
@@ -31,6 +33,7 @@ from attnzoo.config.registry import register_mixer
 from attnzoo.mixers.base import HF_KIMI_DELTA_ATTENTION
 from attnzoo.mixers.configs import GDN2Config, KDAConfig
 from attnzoo.mixers.deltanet import DeltaNet
+from attnzoo.mixers import recurrent_base
 from attnzoo.mixers.recurrent_base import l2norm, upcast
 from attnzoo.ops.generalized_delta_rule import (chunk_generalized_delta_rule, generalized_delta_rule_recurrent,
                                                 generalized_delta_rule_step)
@@ -46,7 +49,7 @@ def kda_as_generalized(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> 
 @register_mixer("kda", KDAConfig)
 class KimiDeltaAttention(DeltaNet):
     gated = False  # DeltaNet's per-head gate is not built: the per-channel one is below
-    kernel_family = "other"  # no fla kernel dispatched (fla_kernel None): torch's chunkwise form everywhere
+    kernel_family = "linear"  # fla's chunk_kda where dispatch picks fla (fla_kernel on KDAConfig)
     linearize_target = False
     hf_layer = HF_KIMI_DELTA_ATTENTION  # Kimi Linear's KDA layers (interop/hf: KimiLinearForCausalLM)
 
@@ -92,18 +95,26 @@ class KimiDeltaAttention(DeltaNet):
         g = self.gate(x)  # (B, T, Hv, Dk)
         if self.group > 1:  # grouped values: consecutive value heads share a q/k head
             q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
+        state = None if state is None else state.to(q.dtype)
+        if mode == "chunk" and resets is None and recurrent_base.mixer_kernel(self, x) == "fla":  # gdn2: never
+            from attnzoo.ops.fla_kernels import fla_chunk_kda  # fla / triton: imported where fla runs only
+
+            q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, self.beta(x)))
+            o, state = fla_chunk_kda(q, k, v, g, beta, state, dtype=recurrent_base.compute_dtype(x))
+            return o.transpose(1, 2), state
         kw, vw, a, b = self.rule_inputs(k, v, x, g)
         q, kw, vw, a, b, g = (t.transpose(1, 2) for t in (q, kw, vw, a, b, g))
-        state = None if state is None else state.to(q.dtype)
         o, state = self.recur(mode, x, state, resets, q, kw, vw, a, b, g)
         return o.transpose(1, 2), state
 
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """The write strength per value head, sigmoid(W_b x) (x 2 with allow_neg_eigval): (B, T, Hv) in >= fp32."""
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
+        return 2 * beta if self.cfg.allow_neg_eigval else beta
+
     def rule_inputs(self, k, v, x, g) -> tuple:
         """The generalized rule's write key, value and low-rank pair (B, T, Hv, D) from KDA's beta per head."""
-        beta = torch.sigmoid(upcast(self.b_proj(x)))  # (B, T, Hv)
-        if self.cfg.allow_neg_eigval:
-            beta = 2 * beta
-        kw, a, b = kda_as_generalized(k, beta, g)
+        kw, a, b = kda_as_generalized(k, self.beta(x), g)
         return kw, v, a, b
 
     # the generalized delta rule's forms (ops/generalized_delta_rule.py) on k' = beta k, a, b, g (B, H, T, Dk)
@@ -117,7 +128,7 @@ class KimiDeltaAttention(DeltaNet):
         return chunk_generalized_delta_rule(q, k, v, a, b, g, state, chunk_size=self.chunk_size, resets=resets)
 
     def fla_op(self, q, k, v, a, b, g, *, state, dtype):
-        raise NotImplementedError("kda runs no fla kernel (kernel_family 'other')")
+        raise NotImplementedError("kda's fla path is fla_chunk_kda on the raw inputs (mix), not the generalized rule")
 
     def op_flops_per_token(self, context_len: int) -> float:
         """The generalized rule's chunkwise form per value head (as RWKV-7's; C = min(chunk_size, L)), per token:
@@ -152,6 +163,7 @@ class GatedDeltaNet2(KimiDeltaAttention):
     full d_model -> H d projection: our choice (the layer of the GDN-2 release is not in fla-core 0.6.0, only its
     ops), said in docs/linear_mixers.md. The rule runs on the generalized delta rule (gdn2_as_generalized)."""
 
+    kernel_family = "other"  # fla's ops/gdn2 kernels are not wired (fla_kernel None): torch's chunk form everywhere
     hf_layer = None  # not KDA's: KimiLinearForCausalLM has no erase / write gates
     hf_missing = "transformers has no Gated DeltaNet-2 counterpart"
 

@@ -95,7 +95,7 @@ class GatedDeltaProductConfig(GatedDeltaNetConfig):
 @dataclass
 class KDAConfig(DeltaNetConfig):
     """Kimi Delta Attention (Kimi Linear, 2025; mixers/kda.py): the gated delta rule with a decay per key channel."""
-    fla_kernel = None  # fla's chunk_kda is not wired: every device runs the torch chunkwise form (docs/linear_mixers.md)
+    fla_kernel = "chunk_kda"  # fla's own KDA kernel (ops/fla_kernels.fla_chunk_kda) where dispatch picks fla
     name: str = "kda"
     chunk_size: int = 16  # the chunkwise form holds a (C, C, d_k) decay per chunk (a decay per key channel)
     use_gate: bool = True  # output gate: norm(o) * sigmoid(W_g x) through a low-rank projection (Kimi Linear)
@@ -114,6 +114,7 @@ class KDAConfig(DeltaNetConfig):
 @dataclass
 class GDN2Config(KDAConfig):
     """Gated DeltaNet-2 (mixers/kda.py): KDA with a channel-wise erase gate (key axis) and write gate (value axis)."""
+    fla_kernel = None  # fla's ops/gdn2 kernels are not wired: every device runs the torch chunkwise form
     name: str = "gdn2"
 
 

@@ -182,3 +182,27 @@ def fla_chunk_generalized_delta_rule(
     o, state = chunk_dplr_delta_rule(qs, ks, c.seq_first(v, "v"), as_, bs, c.seq_first(g, "k", torch.float32),
                                      scale=c.scale, initial_state=c.h0, output_final_state=True)
     return c.result(o, state, q)
+
+
+def fla_chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi Delta Attention through fla's own `chunk_kda`: S_t = (I - beta_t k_t k_t^T) Diag(e^g_t) S_{t-1} +
+    beta_t k_t v_t^T, o_t = scale S_t^T q_t, on q, k (L2-normalised by the mixer), v (B, H, T, D), the log-decay
+    per key channel g (B, H, T, Dk, fp32, the gate computed by the mixer: fla's use_gate_in_kernel off) and beta
+    (B, H, T, sigmoid applied by the mixer); the same rule as `chunk_generalized_delta_rule` on
+    mixers/kda.kda_as_generalized's inputs. g and the states stay fp32."""
+    from fla.ops.kda import chunk_kda
+
+    c = FlaCall("chunk_kda", k, v, scale, initial_state, dtype)
+    o, state = chunk_kda(c.seq_first(q, "k"), c.seq_first(k, "k"), c.seq_first(v, "v"),
+                         c.seq_first(g, "k", torch.float32), c.seq_first(beta), scale=c.scale, initial_state=c.h0,
+                         output_final_state=True)
+    return c.result(o, state, q)

@@ -3,8 +3,8 @@
 The interpreter runs `@triton.jit` kernels with numpy on CPU tensors, block by block, so the GPU code path of
 every fla-wired mixer (layouts, gate signs, scales, dtype casts, initial states, chunk sizes, the host-side
 asserts fla makes before a launch) executes on a machine without a GPU. fla 0.6.0's kernels need three
-accommodations there, each for something the interpreter lacks; `accommodate()` applies them once per process,
-only when the interpreter is on (`interpreting()`), and nothing here runs on a GPU:
+accommodations there, each for something the interpreter lacks, and a fourth for its speed; `accommodate()` applies
+them once per process, only when the interpreter is on (`interpreting()`), and nothing here runs on a GPU:
 
 1. no device to benchmark on: the autotuner asks the active driver for a benchmarker ("0 active drivers").
    Every autotuned kernel runs its first (pruned) config instead; the result does not depend on the config.
@@ -16,6 +16,8 @@ only when the interpreter is on (`interpreting()`), and nothing here runs on a G
    while a kernel runs, but fla's modules bound `gather = tl.gather` at import (`fla.ops.utils.op`), so they
    call the compiled builtin (`_semantic` argument must be provided outside of JIT functions); RWKV-7's DPLR
    kernels use it. Those names are pointed at a function that looks `tl.gather` up when called.
+4. speed: the interpreter patches triton.language for each kernel launch and again for each call of a
+   `@triton.jit` helper inside it (the same modules, never restored); inside a launch the helper's patch is skipped.
 
 What the interpreter cannot do: bf16 (numpy has none: results are off by orders of magnitude), so ops/dispatch.py
 refuses `model.impl=fla` in bf16 under the interpreter. It is slow (seconds per op call at T = 64): a check
@@ -83,4 +85,36 @@ def accommodate() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("fla.") and getattr(module, "gather", None) is compiled_gather:
             module.gather = gather
+
+    # 4. the language patched once per launch: a kernel launch patches the language modules its globals hold
+    #    (triton.language, triton.language.core) for its run and restores them after, and every call of a
+    #    @triton.jit helper inside it patched its own modules again (inspect.getmembers over each, per call: a
+    #    quarter of a KDA backward's time), its scope never restored. Inside a launch a helper now patches only the
+    #    modules this launch has not (e.g. tl.core, which triton.language.standard's helpers call), restored with it.
+    patch_lang, launches = interpreter._patch_lang, []
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_once(fn):
+        if launches:  # a helper called inside a running launch
+            patched, scopes = launches[-1]
+            if langs(fn) <= patched:
+                return interpreter._LangPatchScope()
+            patched |= langs(fn)
+            scopes.append(patch_lang(fn))
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        launches.append((langs(fn), [scope]))
+        restore = scope.restore
+
+        def restore_and_end():
+            _, scopes = launches.pop()
+            for inner in reversed(scopes[1:]):
+                inner.restore()
+            restore()
+        scope.restore = restore_and_end
+        return scope
+
+    interpreter._patch_lang = patch_once
     _DONE.append(True)
