@@ -14,9 +14,8 @@ low-rank) delta rule of ops/generalized_delta_rule.py, which RWKV-7 runs:
 so its three forms (the per-token recurrence as the reference, the chunkwise WY / UT form, the one-token step) and
 its context-parallel scan and packing resets serve KDA unchanged; fla-core's `naive_recurrent_kda` /
 `naive_chunk_kda` are the independent check (tests/test_kda.py). Where ops/dispatch.py picks fla (CUDA, or a CPU under
-Triton's interpreter), the chunk form is fla's own `chunk_kda` on the raw (q, k, v, g, beta): the same rule, tested
-equal under the interpreter (tests/interp). Gated DeltaNet-2 below has no fla path (its ops/gdn2 kernels are not
-wired).
+Triton's interpreter), the chunk form is fla's own `chunk_kda` on the raw (q, k, v, g, beta) (Gated DeltaNet-2 below:
+`chunk_gdn2` with its erase / write gates): the same rule, tested equal under the interpreter (tests/interp).
 
 Whole models: KDA layers with MLA layers (NoPE) and DeepSeek-V3's MoE import from and export to transformers'
 `KimiLinearForCausalLM` (interop/hf; its layer_types <-> model.pattern, as Qwen3-Next's), or every layer KDA.
@@ -96,11 +95,9 @@ class KimiDeltaAttention(DeltaNet):
         if self.group > 1:  # grouped values: consecutive value heads share a q/k head
             q, k = q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2)
         state = None if state is None else state.to(q.dtype)
-        if mode == "chunk" and resets is None and recurrent_base.mixer_kernel(self, x) == "fla":  # gdn2: never
-            from attnzoo.ops.fla_kernels import fla_chunk_kda  # fla / triton: imported where fla runs only
-
-            q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, self.beta(x)))
-            o, state = fla_chunk_kda(q, k, v, g, beta, state, dtype=recurrent_base.compute_dtype(x))
+        if mode == "chunk" and resets is None and recurrent_base.mixer_kernel(self, x) == "fla":
+            q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))
+            o, state = self.fla_chunk(q, k, v, g, x, state)
             return o.transpose(1, 2), state
         kw, vw, a, b = self.rule_inputs(k, v, x, g)
         q, kw, vw, a, b, g = (t.transpose(1, 2) for t in (q, kw, vw, a, b, g))
@@ -128,7 +125,14 @@ class KimiDeltaAttention(DeltaNet):
         return chunk_generalized_delta_rule(q, k, v, a, b, g, state, chunk_size=self.chunk_size, resets=resets)
 
     def fla_op(self, q, k, v, a, b, g, *, state, dtype):
-        raise NotImplementedError("kda's fla path is fla_chunk_kda on the raw inputs (mix), not the generalized rule")
+        raise NotImplementedError("kda's fla path is fla_chunk on the raw inputs (mix), not the generalized rule")
+
+    def fla_chunk(self, q, k, v, g, x, state):
+        """fla's own kernel (chunk_kda) on heads-first q, k, v and log-decay g (B, H, T, D) with this layer's beta."""
+        from attnzoo.ops.fla_kernels import fla_chunk_kda  # fla / triton: imported where fla runs only
+
+        beta = self.beta(x).transpose(1, 2)
+        return fla_chunk_kda(q, k, v, g, beta, state, dtype=recurrent_base.compute_dtype(x))
 
     def op_flops_per_token(self, context_len: int) -> float:
         """The generalized rule's chunkwise form per value head (as RWKV-7's; C = min(chunk_size, L)), per token:
@@ -161,9 +165,9 @@ class GatedDeltaNet2(KimiDeltaAttention):
     each value channel is written); b = w = beta is KDA, and a scalar decay then Gated DeltaNet. The gates here are
     b = sigmoid(W_b x) (x 2 with `allow_neg_eigval`: fla's "typical range [0, 2]") and w = sigmoid(W_w x), each a
     full d_model -> H d projection: our choice (the layer of the GDN-2 release is not in fla-core 0.6.0, only its
-    ops), said in docs/linear_mixers.md. The rule runs on the generalized delta rule (gdn2_as_generalized)."""
+    ops), said in docs/linear_mixers.md. The rule runs on the generalized delta rule (gdn2_as_generalized); where
+    dispatch picks fla, on fla's own `chunk_gdn2`."""
 
-    kernel_family = "other"  # fla's ops/gdn2 kernels are not wired (fla_kernel None): torch's chunk form everywhere
     hf_layer = None  # not KDA's: KimiLinearForCausalLM has no erase / write gates
     hf_missing = "transformers has no Gated DeltaNet-2 counterpart"
 
@@ -172,14 +176,24 @@ class GatedDeltaNet2(KimiDeltaAttention):
         self.b_proj = nn.Linear(self.d_model, self.n_v_heads * self.state_shape[0], bias=False)  # erase, per key channel
         self.w_proj = nn.Linear(self.d_model, self.n_v_heads * self.v_dim, bias=False)  # write, per value channel
 
-    def rule_inputs(self, k, v, x, g) -> tuple:
-        """KDA's with the erase gate per key channel and the write gate per value channel."""
+    def gates(self, x: torch.Tensor) -> tuple:
+        """(erase (B, T, Hv, Dk), write (B, T, Hv, Dv)) in >= fp32: sigmoid(W_b x) (x 2 with allow_neg_eigval),
+        sigmoid(W_w x)."""
         B, T = x.shape[:2]
         erase = torch.sigmoid(upcast(self.b_proj(x))).reshape(B, T, self.n_v_heads, self.state_shape[0])
-        if self.cfg.allow_neg_eigval:
-            erase = 2 * erase
         write = torch.sigmoid(upcast(self.w_proj(x))).reshape(B, T, self.n_v_heads, self.v_dim)
-        return gdn2_as_generalized(k, erase, write, v, g)
+        return 2 * erase if self.cfg.allow_neg_eigval else erase, write
+
+    def rule_inputs(self, k, v, x, g) -> tuple:
+        """KDA's with the erase gate per key channel and the write gate per value channel."""
+        return gdn2_as_generalized(k, *self.gates(x), v, g)
+
+    def fla_chunk(self, q, k, v, g, x, state):
+        """fla's own kernel (chunk_gdn2) on heads-first q, k, v, g (B, H, T, D) with this layer's two gates."""
+        from attnzoo.ops.fla_kernels import fla_chunk_gdn2  # fla / triton: imported where fla runs only
+
+        erase, write = (t.transpose(1, 2) for t in self.gates(x))
+        return fla_chunk_gdn2(q, k, v, g, erase, write, state, dtype=recurrent_base.compute_dtype(x))
 
     def layer_shape(self) -> dict:
         out = super().layer_shape()

@@ -114,7 +114,7 @@ class KDAConfig(DeltaNetConfig):
 @dataclass
 class GDN2Config(KDAConfig):
     """Gated DeltaNet-2 (mixers/kda.py): KDA with a channel-wise erase gate (key axis) and write gate (value axis)."""
-    fla_kernel = None  # fla's ops/gdn2 kernels are not wired: every device runs the torch chunkwise form
+    fla_kernel = "chunk_gdn2"  # fla's own GDN-2 kernel (ops/fla_kernels.fla_chunk_gdn2) where dispatch picks fla
     name: str = "gdn2"
 
 

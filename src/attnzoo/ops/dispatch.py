@@ -71,6 +71,7 @@ FLA_KERNELS = {
     "chunk_gla": (_16BIT_FP32, False),  # gla, hgrn2: a log-decay per key channel (fla's own chunk_gla backward)
     "chunk_dplr_delta_rule": (_16BIT_FP32, False),  # rwkv7
     "chunk_kda": (_16BIT_FP32, False),  # kda: its own chunk_kda_bwd (fla's KDA kernels, not chunk_bwd_dqkwg)
+    "chunk_gdn2": (_16BIT_FP32, False),  # gdn2: its own backward (GDN-2's and KDA's kernels)
 }
 
 

@@ -206,3 +206,27 @@ def fla_chunk_kda(
                          c.seq_first(g, "k", torch.float32), c.seq_first(beta), scale=c.scale, initial_state=c.h0,
                          output_final_state=True)
     return c.result(o, state, q)
+
+
+def fla_chunk_gdn2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    erase: torch.Tensor,
+    write: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet-2 through fla's own `chunk_gdn2`: S_t = (I - k_t (erase_t * k_t)^T) Diag(e^g_t) S_{t-1} +
+    k_t (write_t * v_t)^T, o_t = scale S_t^T q_t, on q, k (L2-normalised by the mixer), v, g (B, H, T, Dk, fp32),
+    the erase gate per key channel (B, H, T, Dk) and the write gate per value channel (B, H, T, Dv), gates applied
+    by the mixer (fla's in-kernel gate off); the rule of mixers/kda.gdn2_as_generalized. g and the states fp32."""
+    from fla.ops.gdn2 import chunk_gdn2
+
+    c = FlaCall("chunk_gdn2", k, v, scale, initial_state, dtype)
+    o, state = chunk_gdn2(c.seq_first(q, "k"), c.seq_first(k, "k"), c.seq_first(v, "v"),
+                          c.seq_first(g, "k", torch.float32), c.seq_first(erase, "k"), c.seq_first(write, "v"),
+                          scale=c.scale, initial_state=c.h0, output_final_state=True)
+    return c.result(o, state, q)
