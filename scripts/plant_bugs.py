@@ -18,6 +18,7 @@ restore the file (try/finally). A bug is "caught" when at least one of those tes
 10-15. Issue 46's mixers: FoX's gate on the diagonal, a dropped Householder step, KDA's decay per head instead of
    per channel, GDN-2's write gate broadcast over the value channels, DSA's top-k off by one, Mamba-3's chunk form
    without the trapezoid's previous-token term.
+16. KDA's fla path (fla's chunk_kda under Triton's interpreter) handed the decay instead of the log-decay.
 """
 from __future__ import annotations
 
@@ -79,9 +80,10 @@ BUGS = [
      "        return (-self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)).mean(-1, keepdim=True).expand_as(f)"
      "  # PLANTED\n", ["tests/test_kda.py"], None),
     ("GDN-2's write gate broadcast over the value channels (one per head)",
-     "src/attnzoo/mixers/kda.py", "        return gdn2_as_generalized(k, erase, write, v, g)\n",
-     "        return gdn2_as_generalized(k, erase, write.mean(-1, keepdim=True).expand_as(write), v, g)"
-     "  # PLANTED\n", ["tests/test_kda.py"], None),
+     "src/attnzoo/mixers/kda.py",
+     "        write = torch.sigmoid(upcast(self.w_proj(x))).reshape(B, T, self.n_v_heads, self.v_dim)\n",
+     "        write = torch.sigmoid(upcast(self.w_proj(x))).reshape(B, T, self.n_v_heads, self.v_dim)\n"
+     "        write = write.mean(-1, keepdim=True).expand_as(write)  # PLANTED\n", ["tests/test_kda.py"], None),
     ("DSA's top-k off by one (each query keeps one key fewer)",
      "src/attnzoo/ops/dsa.py", "descending=True, stable=True).indices[..., : min(topk, S)]\n",
      "descending=True, stable=True).indices[..., : max(1, min(topk - 1, S))]  # PLANTED\n", ["tests/test_dsa.py"],
@@ -89,6 +91,11 @@ BUGS = [
     ("Mamba-3's chunk form without the trapezoid's previous-token term",
      "src/attnzoo/ops/trapezoidal_ssd.py", "    u = gamma + F.pad(w[..., 1:], (0, 1))",
      "    u = gamma  # PLANTED", ["tests/test_mamba3.py"], None),
+    # fla's own kernels, run on this CPU by Triton's interpreter (the ops process of the interpreter tier, ~1 min)
+    ("KDA's fla path hands chunk_kda the decay where it takes the log-decay",
+     "src/attnzoo/ops/fla_kernels.py", '                         c.seq_first(g, "k", torch.float32), c.seq_first(beta), ',
+     '                         c.seq_first(g.exp(), "k", torch.float32), c.seq_first(beta), ',
+     ["tests/test_fla_interpreter.py::test_interpreter_tier[test_fla_ops.py+test_fla_cli.py]"], None),
 ]
 
 
