@@ -12,7 +12,7 @@ import torch
 from attnzoo.config.errors import ConfigError
 from attnzoo.ops import dispatch
 
-GATED = {"chunk_gated_delta_rule", "chunk_simple_gla(g)"}
+GATED = {"chunk_gated_delta_rule", "chunk_simple_gla(g)", "chunk_gated_delta_product"}
 
 
 @pytest.mark.parametrize("capability,triton,gated", [
@@ -33,14 +33,14 @@ def test_gate_table(capability, triton, gated):
 
 def test_the_gated_kernels_are_the_ones_fla_gates():
     """Which layers take a gated chunk_bwd_dqkwg backward (fla 0.6.0: chunk_gated_delta_rule and chunk_simple_gla
-    with g call it with g; chunk_delta_rule and chunk_simple_gla without g with g=None; chunk_gla, the DPLR rule,
+    with g, and chunk_gated_delta_product through chunk_gated_delta_rule_bwd, call it with g; chunk_delta_rule and chunk_simple_gla without g with g=None; chunk_gla, the DPLR rule,
     chunk_kda and chunk_gdn2 their own backward)."""
     from attnzoo.config.registry import MIXERS
 
     kernels = {n: MIXERS.get(n).cls.fla_kernel for n in MIXERS.names()}
     gated = sorted(n for n, k in kernels.items() if k in GATED)
-    assert gated == ["gated_deltanet", "mamba2", "retnet"]
-    assert {n for n, k in kernels.items() if k} == {"deltanet", "gated_deltanet", "gdn2", "gla", "hgrn2", "kda",
+    assert gated == ["gated_deltanet", "gated_deltaproduct", "mamba2", "retnet"]
+    assert {n for n, k in kernels.items() if k} == {"deltanet", "gated_deltanet", "gated_deltaproduct", "gdn2", "gla", "hgrn2", "kda",
                                                      "linear_attention", "mamba2", "retnet", "rwkv7"}
 
 

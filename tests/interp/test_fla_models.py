@@ -35,7 +35,9 @@ MIXERS = {
     "rwkv7": {"name": "rwkv7"},
     "kda": {"name": "kda"},  # fla's own chunk_kda (the mixer hands it the raw q, k, v, g, beta)
     "gdn2": {"name": "gdn2"},  # fla's own chunk_gdn2 (the raw q, k, v, g and the erase / write gates)
+    "gated_deltaproduct": {"name": "gated_deltaproduct"},  # fla's chunk_gated_delta_product, n_h = 2
 }
+FP16_KERNELS = {"deltanet", "gated_deltaproduct"}  # fla asserts against fp32: their fp16 cases alone
 HYBRID = "hybrid-gated_deltanet+gqa"
 # KDA's and GDN-2's kernels are the slowest under the interpreter (GDN-2: ~25 s for two training steps): their fp16
 # is checked at op level (test_fla_ops.py: every input's gradient), KDA's model-level training steps and prefill +
@@ -66,10 +68,10 @@ def batches(n: int):
 
 
 def count_fla_calls(monkeypatch) -> list:
-    """A spy on the six wrappers (the mixers import them at call time): the fla path really ran."""
+    """A spy on the seven wrappers (the mixers import them at call time): the fla path really ran."""
     calls = []
     for name in ("fla_chunk_delta_rule", "fla_chunk_linear_attention", "fla_chunk_gated_linear_attention",
-                 "fla_chunk_generalized_delta_rule", "fla_chunk_kda", "fla_chunk_gdn2"):
+                 "fla_chunk_generalized_delta_rule", "fla_chunk_kda", "fla_chunk_gdn2", "fla_chunk_gated_delta_product"):
         original = getattr(fla_kernels, name)
 
         def spy(*a, _original=original, _name=name, **kw):
@@ -96,7 +98,7 @@ def train_losses(model: DecoderLM, steps: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("case", [c for c in MIXERS if c != "deltanet" and c not in DECODE_ONLY] + [HYBRID])
+@pytest.mark.parametrize("case", [c for c in MIXERS if c not in FP16_KERNELS | DECODE_ONLY] + [HYBRID])
 def test_training_steps_fp32_equal_torch(case, monkeypatch):
     """Per-step losses of 2 SGD steps (the second reads the first's gradients): fla (fp32 kernels) against torch
     fp64, within the torch path's own fp32-vs-fp64 gap x FP32_FACTOR (deltanet: fla's plain delta rule takes no

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import gap_atol
-from tests.interp.test_fla_models import (FP16_FACTOR, FP16_ONLY, HYBRID, MIXERS, NO_FP16_MODEL, batches, build,
-                                          count_fla_calls)
+from tests.interp.test_fla_models import (FP16_FACTOR, FP16_KERNELS, FP16_ONLY, HYBRID, MIXERS, NO_FP16_MODEL,
+                                          batches, build, count_fla_calls)
 
 
 def fwd_bwd(model: DecoderLM, batch: torch.Tensor, autocast_dtype=None) -> dict:
@@ -41,7 +41,7 @@ def test_fp16_forward_and_backward_equal_torch(case, monkeypatch):
         assert err <= tol, f"{case} {name}: off by {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("case", [c for c in MIXERS if c != "deltanet"] + [HYBRID])
+@pytest.mark.parametrize("case", [c for c in MIXERS if c not in FP16_KERNELS] + [HYBRID])
 def test_prefill_through_fla_then_decode_equals_the_full_forward(case, monkeypatch):
     """A 20-token prefill (fla, fp32) into a cache, then 4 one-token steps, against the full forward on the torch
     path in fp64 (tolerance: the torch path's fp32-vs-fp64 gap of the same logits)."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.ops import fla_kernels
+from attnzoo.ops.delta_product import chunk_delta_product
 from attnzoo.ops.delta_rule import chunk_delta_rule
 from attnzoo.ops.gated_linear_attention import chunk_gated_linear_attention
 from attnzoo.ops.generalized_delta_rule import chunk_generalized_delta_rule
@@ -56,6 +57,11 @@ def inputs(kind: str, B: int, H: int, T: int, D: int, h0: bool, seed: int = 0) -
         t = {"q": _l2(r(B, H, T, D)), "k": _l2(r(B, H, T, D)), "v": r(B, H, T, D), "beta": torch.sigmoid(r(B, H, T)),
              "g": -0.5 * F.softplus(r(B, H, T, D))}
         Dv = D
+    elif kind == "gated_delta_product":  # n_h = 2 delta-rule steps per token (keys, values, betas), one decay
+        n = 2
+        t = {"q": _l2(r(B, H, T, D)), "k": _l2(r(B, H, T, n, D)), "v": r(B, H, T, n, D),
+             "beta": torch.sigmoid(r(B, H, T, n)), "g": -0.5 * F.softplus(r(B, H, T))}
+        Dv = D
     elif kind == "gdn2":  # Gated DeltaNet-2: KDA's decay, an erase gate per key channel, a write gate per value channel
         t = {"q": _l2(r(B, H, T, D)), "k": _l2(r(B, H, T, D)), "v": r(B, H, T, D), "g": -0.5 * F.softplus(r(B, H, T, D)),
              "erase": torch.sigmoid(r(B, H, T, D)), "write": torch.sigmoid(r(B, H, T, D))}
@@ -82,6 +88,8 @@ def torch_op(kind: str, t: dict, chunk_size: int):
     if kind == "kda":  # KDA as the mixer runs it on torch: the generalized rule on kda_as_generalized's inputs
         kw, a, b = kda_as_generalized(t["k"], t["beta"], t["g"])
         return chunk_generalized_delta_rule(t["q"], kw, t["v"], a, b, t["g"], t["h0"], chunk_size=chunk_size)
+    if kind == "gated_delta_product":
+        return chunk_delta_product(t["q"], t["k"], t["v"], t["beta"], t["g"], t["h0"], chunk_size=chunk_size)
     if kind == "gdn2":  # as the mixer runs it on torch: the generalized rule on gdn2_as_generalized's inputs
         kw, vw, a, b = gdn2_as_generalized(t["k"], t["erase"], t["write"], t["v"], t["g"])
         return chunk_generalized_delta_rule(t["q"], kw, vw, a, b, t["g"], t["h0"], chunk_size=chunk_size)
@@ -99,6 +107,8 @@ def fla_op(kind: str, t: dict, dtype: torch.dtype, chunk_size: int):
         return fla_kernels.fla_chunk_gated_linear_attention(t["q"], t["k"], t["v"], t["g"], t["h0"], dtype=dtype)
     if kind == "kda":
         return fla_kernels.fla_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], t["h0"], dtype=dtype)
+    if kind == "gated_delta_product":
+        return fla_kernels.fla_chunk_gated_delta_product(t["q"], t["k"], t["v"], t["beta"], t["g"], t["h0"], dtype=dtype)
     if kind == "gdn2":
         return fla_kernels.fla_chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["erase"], t["write"], t["h0"], dtype=dtype)
     return fla_kernels.fla_chunk_generalized_delta_rule(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], t["h0"], 1.0,
@@ -127,7 +137,9 @@ def fp16_atol(rounded: torch.Tensor, exact: torch.Tensor) -> float:
     return FP16_FACTOR * max((rounded - exact).abs().max().item(), FP16_EPS * size)
 
 
-KINDS = ["delta_rule", "gated_delta_rule", "linear_attention", "simple_gla", "gla", "dplr", "kda", "gdn2"]
+KINDS = ["delta_rule", "gated_delta_rule", "linear_attention", "simple_gla", "gla", "dplr", "kda", "gdn2",
+         "gated_delta_product"]
+FP16_ONLY_KINDS = ("delta_rule", "gated_delta_product")  # fla asserts against fp32
 FLA_CHUNK = {"dplr": 16}  # fla's chunk length per kernel (chunk_dplr_delta_rule: 16; the others 64)
 # the interpreter runs every block in numpy (seconds per call): two shapes per kernel, between them below one chunk,
 # several chunks with a ragged last one, batch 2 and heads 2, with and without an initial state:
@@ -167,7 +179,7 @@ def cases(kinds, dtype: str) -> list:
     return [(k, s) for k in kinds for s in SHAPES if ONE_SHAPE.get((k, dtype), s) == s]
 
 
-@pytest.mark.parametrize("kind,shape_name", cases([k for k in KINDS if k != "delta_rule"], "fp32"))
+@pytest.mark.parametrize("kind,shape_name", cases([k for k in KINDS if k not in FP16_ONLY_KINDS], "fp32"))
 def test_fp32_equals_the_torch_op(kind, shape_name):
     compare(kind, torch.float32, *shape(kind, shape_name))
 

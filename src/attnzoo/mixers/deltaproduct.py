@@ -7,8 +7,9 @@ The layer is fla's `GatedDeltaProduct`: q (H d_k), k (H n_h d_k) and v (H_v n_h 
 conv + SiLU, q and every k_{t,j} L2-normalised, beta = sigmoid(W_b x) per head and step (x 2 with
 `allow_neg_eigval`), the Mamba-2 decay g = -exp(A_log) softplus(W_a x + dt_bias) per head, gated RMSNorm output.
 The chunkwise form runs the delta rule over the T n_h sub-steps (chunks of chunk_size tokens), decode the token's
-n_h sub-steps from the cached state; the reference loops over tokens and steps. fla's Triton kernels are not wired;
-no context-parallel form (refused in one line).
+n_h sub-steps from the cached state; the reference loops over tokens and steps. Where ops/dispatch.py picks fla (CUDA
+in fp16 / bf16, or a CPU under Triton's interpreter), the chunk form is fla's `chunk_gated_delta_product` (tested equal
+under the interpreter: tests/interp); no context-parallel form (refused in one line).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from attnzoo.ops.delta_product import chunk_delta_product, delta_product_referen
 
 @register_mixer("gated_deltaproduct", GatedDeltaProductConfig)
 class GatedDeltaProduct(GatedDeltaNet):
-    kernel_family = "other"  # fla's gated_delta_product kernels are not wired: torch everywhere
+    kernel_family = "linear"  # fla's chunk_gated_delta_product where dispatch picks fla (16-bit)
     hf_layer = None
     hf_missing = "transformers has no DeltaProduct counterpart"
     linearize_target = False
@@ -77,7 +78,9 @@ class GatedDeltaProduct(GatedDeltaNet):
         return chunk_delta_product(q, k, v, beta, g, state, chunk_size=self.chunk_size, resets=resets)
 
     def fla_op(self, q, k, v, beta, g, *, state, dtype):
-        raise NotImplementedError("gated_deltaproduct runs no fla kernel (kernel_family 'other')")
+        from attnzoo.ops.fla_kernels import fla_chunk_gated_delta_product  # fla / triton: where fla runs only
+
+        return fla_chunk_gated_delta_product(q, k, v, beta, g, state, dtype=dtype)
 
     def op_flops_per_token(self, context_len: int) -> float:
         """The chunkwise delta rule over n_h sub-steps per token, chunks of C' = n_h min(chunk_size, L) sub-steps:

@@ -78,7 +78,7 @@ class GatedDeltaNetConfig(DeltaNetConfig):
 class GatedDeltaProductConfig(GatedDeltaNetConfig):
     """Gated DeltaProduct (Siems et al. 2025; mixers/deltaproduct.py): n_h delta-rule steps per token."""
     context_parallel = False  # the sub-steps per token: no state-passing form here
-    fla_kernel = None  # fla's gated_delta_product kernels are not wired
+    fla_kernel = "chunk_gated_delta_product"  # fla's own (ops/fla_kernels.fla_chunk_gated_delta_product), 16-bit only
     name: str = "gated_deltaproduct"
     num_householder: int = 2  # n_h: delta-rule (Householder) steps per token (the paper's n_h = 2; 1 = Gated DeltaNet)
     chunk_size: int = 16  # tokens per chunk (chunk_size x n_h sub-steps)

@@ -72,6 +72,7 @@ FLA_KERNELS = {
     "chunk_dplr_delta_rule": (_16BIT_FP32, False),  # rwkv7
     "chunk_kda": (_16BIT_FP32, False),  # kda: its own chunk_kda_bwd (fla's KDA kernels, not chunk_bwd_dqkwg)
     "chunk_gdn2": (_16BIT_FP32, False),  # gdn2: its own backward (GDN-2's and KDA's kernels)
+    "chunk_gated_delta_product": (FLA_DTYPES, True),  # gated_deltaproduct; asserts against fp32; GDN's backward
 }
 
 

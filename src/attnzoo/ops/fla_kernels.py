@@ -230,3 +230,33 @@ def fla_chunk_gdn2(
                           c.seq_first(g, "k", torch.float32), c.seq_first(erase, "k"), c.seq_first(write, "v"),
                           scale=c.scale, initial_state=c.h0, output_final_state=True)
     return c.result(o, state, q)
+
+
+def fla_chunk_gated_delta_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.delta_product.chunk_delta_product` through fla's `chunk_gated_delta_product` (16-bit only: it asserts
+    against fp32): q (B, H, T, Dk), each token's n_h keys / values / betas k (B, H, T, n, Dk), v (B, H, T, n, Dv),
+    beta (B, H, T, n) laid out as fla's T n sub-steps in token order ([B, T n, H, D], a token's steps together),
+    the log-decay g (B, H, T) fp32, applied once per token before its first step (fla's interleaved gate)."""
+    from fla.ops.gated_delta_product import chunk_gated_delta_product
+
+    c = FlaCall("chunk_gated_delta_product", k, v, scale, initial_state, dtype)
+    B, H, T, n = beta.shape
+
+    def steps(x: torch.Tensor, width: Optional[str]) -> torch.Tensor:  # (B, H, T, n, ...) -> (B, T n, H, ...)
+        x = x.movedim(1, 3).reshape(B, T * n, H, *x.shape[4:]).to(dtype)
+        return (F.pad(x, (0, c.pad[width])) if width and c.pad[width] else x).contiguous()
+
+    gs = None if g is None else _seq_first(g, torch.float32)
+    o, state = chunk_gated_delta_product(c.seq_first(q, "k"), steps(k, "k"), steps(v, "v"), gs, steps(beta, None),
+                                         num_householder=n, scale=c.scale, initial_state=c.h0,
+                                         output_final_state=True)
+    return c.result(o, state, q)
