@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -171,10 +172,19 @@ def test_loader_state_resumes_at_the_consumed_batch(numbered, monkeypatch, worke
 def killed_mid_run(overrides: list, run: Path, steps: int = 60) -> int:
     """`attnzoo-train` (the CLI, in its own process) SIGKILLed once a checkpoint at step >= 8 exists (of `steps`);
     returns the step of the checkpoint it left."""
+    from attnzoo.training.rundir import LOCK_NAME, _live_workers, _owner
+
     p = cli(overrides + [f"hydra.run.dir={run}"])
     wait_for_checkpoint(run / "checkpoints" / "last.ckpt", 8, p)
+    owner = _owner(run / LOCK_NAME)  # (launcher, host, its DDP workers): the workers die with the launcher
     p.send_signal(signal.SIGKILL)
     p.wait()
+    # ... on their own schedule (the parent-death signal reaches them after the launcher is reaped): the resume
+    # below would be refused while they live (run_dir_lock), so wait for them, 30 s at most
+    deadline = time.monotonic() + 30.0
+    while owner and _live_workers(owner[2]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (owner and _live_workers(owner[2])), f"DDP workers {_live_workers(owner[2])} outlived their launcher"
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 8 <= saved < steps
     return saved
