@@ -4,7 +4,6 @@ type against a direct computation from the model's logits, then lm_eval end to e
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 

@@ -13,7 +13,6 @@ with its completion) is refused unless --extrapolate (computed positions only: a
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
