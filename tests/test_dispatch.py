@@ -32,6 +32,7 @@ ON_CUDA = {
     "block_sparse": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},  # data-dependent top-k
     "linear": {"auto": "fla", "torch": "torch", "fla": "fla", "flex": "torch"},
     "latent": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},
+    "forgetting": {"auto": "fla", "torch": "torch", "fla": "fla", "flex": "torch"},  # FoX: fla's parallel kernel
     "other": {"auto": "torch", "torch": "torch", "fla": "torch", "flex": "torch"},
 }
 

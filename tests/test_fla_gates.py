@@ -40,7 +40,7 @@ def test_the_gated_kernels_are_the_ones_fla_gates():
     kernels = {n: MIXERS.get(n).cls.fla_kernel for n in MIXERS.names()}
     gated = sorted(n for n, k in kernels.items() if k in GATED)
     assert gated == ["gated_deltanet", "gated_deltaproduct", "mamba2", "retnet"]
-    assert {n for n, k in kernels.items() if k} == {"deltanet", "gated_deltanet", "gated_deltaproduct", "gdn2", "gla", "hgrn2", "kda",
+    assert {n for n, k in kernels.items() if k} == {"deltanet", "fox", "gated_deltanet", "gated_deltaproduct", "gdn2", "gla", "hgrn2", "kda",
                                                      "linear_attention", "mamba2", "retnet", "rwkv7"}
 
 

@@ -36,6 +36,7 @@ MIXERS = {
     "kda": {"name": "kda"},  # fla's own chunk_kda (the mixer hands it the raw q, k, v, g, beta)
     "gdn2": {"name": "gdn2"},  # fla's own chunk_gdn2 (the raw q, k, v, g and the erase / write gates)
     "gated_deltaproduct": {"name": "gated_deltaproduct"},  # fla's chunk_gated_delta_product, n_h = 2
+    "fox": {"name": "fox"},  # fla's parallel_forgetting_attn (training and a prefill into an empty cache)
 }
 FP16_KERNELS = {"deltanet", "gated_deltaproduct"}  # fla asserts against fp32: their fp16 cases alone
 HYBRID = "hybrid-gated_deltanet+gqa"
@@ -68,10 +69,11 @@ def batches(n: int):
 
 
 def count_fla_calls(monkeypatch) -> list:
-    """A spy on the seven wrappers (the mixers import them at call time): the fla path really ran."""
+    """A spy on the eight wrappers (the mixers import them at call time): the fla path really ran."""
     calls = []
     for name in ("fla_chunk_delta_rule", "fla_chunk_linear_attention", "fla_chunk_gated_linear_attention",
-                 "fla_chunk_generalized_delta_rule", "fla_chunk_kda", "fla_chunk_gdn2", "fla_chunk_gated_delta_product"):
+                 "fla_chunk_generalized_delta_rule", "fla_chunk_kda", "fla_chunk_gdn2", "fla_chunk_gated_delta_product",
+                 "fla_forgetting_attention"):
         original = getattr(fla_kernels, name)
 
         def spy(*a, _original=original, _name=name, **kw):

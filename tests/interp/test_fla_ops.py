@@ -215,3 +215,36 @@ def test_plain_delta_rule_refuses_fp32_in_one_line():
     t = inputs("delta_rule", 1, 1, 8, 16, False)
     with pytest.raises(ValueError, match=r"^fla's chunk_delta_rule runs in fp16 / bf16, got torch.float32"):
         fla_op("delta_rule", t, torch.float32, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_forgetting_attention_equals_the_torch_op(dtype):
+    """FoX's fla path (parallel_forgetting_attn through fla_forgetting_attention; GQA: 4 query heads on 2 KV heads,
+    T 40) against ops/forgetting_attention's SDPA under the forget bias: the output and the gradients of q, k, v and
+    the log forget gates, tolerances derived as the ops' above."""
+    from attnzoo.ops.forgetting_attention import forgetting_attention
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    t = {"q": r(2, 4, 40, 16), "k": r(2, 2, 40, 16), "v": r(2, 2, 40, 16), "log_f": F.logsigmoid(r(2, 4, 40) + 2.0)}
+
+    def grads(fn, inputs, cast=torch.float64) -> dict:
+        leaves = {k: v.to(cast).detach().clone().requires_grad_(True) for k, v in inputs.items()}
+        o = fn(leaves)
+        assert o.dtype == cast
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+        (o.double() * do).sum().backward()
+        return {"o": o.detach().double(), **{f"d{k}": v.grad.double() for k, v in leaves.items()}}
+
+    torch_fn = lambda x: forgetting_attention(x["q"], x["k"], x["v"], x["log_f"])  # noqa: E731
+    ref = grads(torch_fn, t)
+    got = grads(lambda x: fla_kernels.fla_forgetting_attention(x["q"], x["k"], x["v"], x["log_f"], dtype=dtype), t)
+    if dtype == torch.float32:
+        ref32 = grads(torch_fn, t, torch.float32)
+        tols = {k: gap_atol(ref32[k], ref[k]) for k in ref}
+    else:
+        rounded = grads(torch_fn, {k: v.half().double() for k, v in t.items()})
+        tols = {k: fp16_atol(rounded[k], ref[k]) for k in ref}
+    for k in ref:
+        err = (got[k] - ref[k]).abs().max().item()
+        assert err <= tols[k], f"fox {dtype}: {k} off by {err:.3g} > {tols[k]:.3g}"

@@ -111,6 +111,7 @@ class ForgettingAttentionConfig(AttentionConfig):
     full_causal_attention = False
     kv_quantizable = False  # its cache keeps each key's log forget gate beside the keys
     bidirectional = False  # causal only (validate)
+    fla_kernel = "parallel_forgetting_attn"  # where dispatch picks fla (a call without cache or mask)
     name: str = "fox"
     # apply the model's RoPE to q / k as well (the paper's "FoX with RoPE" ablation); false: the forget gate is
     # the only position signal, as the paper's FoX (model.position=rope then leaves this layer unrotated)

@@ -13,8 +13,9 @@ init for a zero input); `decay_time_range` starts each head's gate at a chosen m
 The cache keeps every key's log forget gate beside its key and value (a KV cache plus n_heads numbers per token),
 and each call sums them from the first key, as the full forward does. Packing is native (a document mask: the sum
 between two tokens of one document never crosses its start). No ring form (context parallelism is refused), no KV
-formats, no transformers counterpart; fla's Triton kernel
-(`parallel_forgetting_attn`) is not wired: every device runs SDPA under the (B, H, T, T) float bias.
+formats, no transformers counterpart. Where ops/dispatch.py picks fla (family "forgetting": CUDA, or a CPU under
+Triton's interpreter) a call without a cache or mask (training, a prefill into an empty cache) runs fla's
+`parallel_forgetting_attn` (tested equal under the interpreter); elsewhere SDPA under the (B, H, T, T) float bias.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from attnzoo.mixers.attention import Attention, static_attention
 from attnzoo.mixers.attention_cache import KVCache, StaticKVCache
 from attnzoo.mixers.base import dtype_bytes
 from attnzoo.mixers.configs import ForgettingAttentionConfig
+from attnzoo.ops import dispatch
 from attnzoo.ops.forgetting_attention import (at_least_fp32, forgetting_attention, forgetting_attention_reference,
                                               static_forget_bias)
 
@@ -68,7 +70,7 @@ class StaticForgettingCache(StaticKVCache):
 
 @register_mixer("fox", ForgettingAttentionConfig)
 class ForgettingAttention(Attention):
-    kernel_family = "other"  # SDPA under a float bias on every device (no flash / flex / fla kernel dispatched)
+    kernel_family = "forgetting"  # fla's parallel_forgetting_attn where dispatch picks fla, else SDPA under the bias
     linearize_source = False
     hf_layer = None
     hf_missing = "transformers has no Forgetting Transformer counterpart (no FoX layer)"
@@ -98,6 +100,11 @@ class ForgettingAttention(Attention):
     def forget_attend(self, q, k, v, log_f, mask=None) -> torch.Tensor:
         if self.impl == "reference":
             return forgetting_attention_reference(q, k, v, log_f, scale=self.scale, mask=mask)
+        if mask is None and q.shape[2] == k.shape[2] and not (self.training and self.dropout) \
+                and dispatch.mixer_kernel(self, q) == "fla":  # fla's kernel: no cache, no mask, no dropout
+            from attnzoo.ops.fla_kernels import fla_forgetting_attention  # fla / triton: where fla runs only
+
+            return fla_forgetting_attention(q, k, v, log_f, scale=self.scale, dtype=dispatch.compute_dtype(q))
         return forgetting_attention(q, k, v, log_f, scale=self.scale, mask=mask,
                                     dropout_p=self.dropout if self.training else 0.0)
 

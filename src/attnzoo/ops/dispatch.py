@@ -51,8 +51,9 @@ from attnzoo.ops.triton_interpreter import accommodate, interpreting
 BACKENDS = ("torch", "fla", "flex")
 
 # the kernel families (a mixer class's `kernel_family`): softmax attention, a sliding window, block-sparse
-# attention, linear recurrences, latent (MLA) attention, and everything else
-FAMILY_NAMES = ("softmax", "window", "block_sparse", "linear", "latent", "other")
+# attention, linear recurrences, latent (MLA) attention, softmax attention with a forget gate (FoX), everything else
+FAMILY_NAMES = ("softmax", "window", "block_sparse", "linear", "latent", "forgetting", "other")
+FLA_FAMILIES = ("linear", "forgetting")  # the families whose layers fla serves (FLA_KERNELS)
 
 FLA_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -73,6 +74,7 @@ FLA_KERNELS = {
     "chunk_kda": (_16BIT_FP32, False),  # kda: its own chunk_kda_bwd (fla's KDA kernels, not chunk_bwd_dqkwg)
     "chunk_gdn2": (_16BIT_FP32, False),  # gdn2: its own backward (GDN-2's and KDA's kernels)
     "chunk_gated_delta_product": (FLA_DTYPES, True),  # gated_deltaproduct; asserts against fp32; GDN's backward
+    "parallel_forgetting_attn": (_16BIT_FP32, False),  # fox: fla's flash-style attention with the forget-gate bias
 }
 
 
@@ -160,7 +162,7 @@ def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dt
             (requested == "flex" and not (device_type == "cuda" and flex_ok)):
         raise kernel_refusal(requested, device_type, allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok,
                                                                   fla_devices=fla_devices))
-    if family == "linear" and requested == "fla":
+    if family in FLA_FAMILIES and requested == "fla":
         allowed = ", ".join(allowed_here(device_type, fla_ok=fla_ok, flex_ok=flex_ok, fla_devices=fla_devices))
         if fla_gate:
             raise ConfigError(f"fla cannot run this layer here: {fla_gate}; allowed here: "
@@ -171,7 +173,7 @@ def choose_kernel(requested: str, family: str, device_type: str, dtype: torch.dt
         return "fla" if dtype in fla_dtypes else "torch"
     if device_type != "cuda":
         return "torch"
-    if family == "linear" and requested == "auto" and fla_ok and dtype in FLA_DTYPES and dtype in fla_dtypes \
+    if family in FLA_FAMILIES and requested == "auto" and fla_ok and dtype in FLA_DTYPES and dtype in fla_dtypes \
             and not fla_gate:
         return "fla"
     if family == "window" and requested in ("auto", "flex") and flex_ok and dtype in FLEX_DTYPES:
@@ -288,7 +290,7 @@ def gate_notices(model: Any, device_type: str, dtype: torch.dtype) -> list[str]:
         return []
     for i, m in enumerate(getattr(model, "mixers", [])):
         why = fla_gate(getattr(m, "fla_kernel", None), device_type)
-        if why and getattr(m, "kernel_request", "auto") == "auto" and family_of(m) == "linear":
+        if why and getattr(m, "kernel_request", "auto") == "auto" and family_of(m) in FLA_FAMILIES:
             by_reason.setdefault(why, []).append(f"{i}:{getattr(getattr(m, 'cfg', None), 'name', type(m).__name__)}")
     return [f"attnzoo: layers {', '.join(layers)} run the torch chunk form, not fla: {why}"
             for why, layers in by_reason.items()]

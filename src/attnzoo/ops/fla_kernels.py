@@ -260,3 +260,24 @@ def fla_chunk_gated_delta_product(
                                          num_householder=n, scale=c.scale, initial_state=c.h0,
                                          output_final_state=True)
     return c.result(o, state, q)
+
+
+def fla_forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`ops.forgetting_attention.forgetting_attention` without a cache or a mask (queries = keys) through fla's
+    `parallel_forgetting_attn`: q (B, H, T, D), k / v (B, Hkv, T, D) (GQA: fla pairs H / Hkv query heads per KV head,
+    as the torch form), the log forget gates log_f (B, H, T) fp32: the score of key j for query i gets
+    sum_{j<l<=i} log f_l (fla's cumulative g), causal. -> o (B, H, T, D) in q's dtype."""
+    from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+    _check_dtype("parallel_forgetting_attn", dtype)
+    o = parallel_forgetting_attn(_seq_first(q, dtype).contiguous(), _seq_first(k, dtype).contiguous(),
+                                 _seq_first(v, dtype).contiguous(), _seq_first(log_f, torch.float32).contiguous(),
+                                 scale=q.shape[-1] ** -0.5 if scale is None else scale)
+    return o.transpose(1, 2).to(q.dtype)
