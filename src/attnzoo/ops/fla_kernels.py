@@ -277,7 +277,6 @@ def fla_forgetting_attention(
     from fla.ops.forgetting_attn import parallel_forgetting_attn
 
     _check_dtype("parallel_forgetting_attn", dtype)
-    o = parallel_forgetting_attn(_seq_first(q, dtype).contiguous(), _seq_first(k, dtype).contiguous(),
-                                 _seq_first(v, dtype).contiguous(), _seq_first(log_f, torch.float32).contiguous(),
-                                 scale=q.shape[-1] ** -0.5 if scale is None else scale)
+    o = parallel_forgetting_attn(_seq_first(q, dtype), _seq_first(k, dtype), _seq_first(v, dtype),
+                                 _seq_first(log_f, torch.float32), scale=scale)  # None: fla's d^-1/2
     return o.transpose(1, 2).to(q.dtype)

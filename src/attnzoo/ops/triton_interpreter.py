@@ -97,15 +97,15 @@ def accommodate() -> None:
         return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
 
     def patch_once(fn):
+        mine = langs(fn)
         if launches:  # a helper called inside a running launch
             patched, scopes = launches[-1]
-            if langs(fn) <= patched:
-                return interpreter._LangPatchScope()
-            patched |= langs(fn)
-            scopes.append(patch_lang(fn))
+            if not mine <= patched:
+                patched |= mine
+                scopes.append(patch_lang(fn))
             return interpreter._LangPatchScope()
         scope = patch_lang(fn)
-        launches.append((langs(fn), [scope]))
+        launches.append((mine, [scope]))
         restore = scope.restore
 
         def restore_and_end():
