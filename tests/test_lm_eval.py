@@ -274,6 +274,37 @@ def test_command_line_end_to_end(run_dir, tmp_path):
     assert res["attnzoo_passkey"]["256,none"] in (0.0, 1.0) and res["attnzoo_passkey"]["512,none"] == -1
 
 
+def test_lm_evals_own_tasks_are_indexed_only_when_a_name_may_need_them(tmp_path, monkeypatch):
+    """attnzoo-lm-eval indexes lm_eval's ~15,000 task files (~10 s) only when a requested name is not a task of the
+    caller's --include_path or of ours (or is a group, a foreign tag, a path): the light index gives the same tasks."""
+    import lm_eval.tasks
+
+    from attnzoo.inference import lm_eval_cli
+
+    tasks = write_tasks(tmp_path, ["x"])
+    (tasks / "group.yaml").write_text("group: my_group\ntask:\n  - attnzoo_tiny_mc\n")  # may name lm_eval's tasks
+    built = []
+    real = getattr(lm_eval.tasks.TaskManager, "attnzoo_base", lm_eval.tasks.TaskManager)
+
+    class Recorder(real):  # lm_eval's own index left out here whatever is asked: the decision is what is checked
+        def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
+            built.append(include_defaults)
+            super().__init__(verbosity, include_path, False, metadata)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recorder)
+    for wanted, defaults in ((["attnzoo_tiny_mc", "attnzoo_passkey"], [False]), (["attnzoo_niah"], [False]),
+                             (["hellaswag"], [False, True]), (["attnzoo_tiny_mc", "wikitext"], [False, True]),
+                             (["my_group"], [False, True]), ([str(tasks / "mc.yaml")], [False, True]),
+                             (None, [True])):
+        built.clear()
+        lm_eval_cli.add_our_tasks(wanted)
+        manager = lm_eval.tasks.TaskManager(include_path=str(tasks))
+        assert built == defaults, (wanted, built)
+        assert "attnzoo_tiny_mc" in manager.all_tasks and "attnzoo_passkey" in manager.all_tasks
+    assert lm_eval_cli.requested_tasks(["--model", "attnzoo", "--tasks", "a, b,"]) == ["a", "b"]
+    assert lm_eval_cli.requested_tasks(["--tasks=a"]) == ["a"] and lm_eval_cli.requested_tasks([]) is None
+
+
 def test_a_hybrid_with_recurrent_layers(tmp_path):
     """Gated DeltaNet + GQA: padded batches through the chunked recurrence score as single sequences, and
     generation from the recurrent state is model.generate's."""

@@ -49,24 +49,50 @@ def precheck(argv: list[str]) -> None:
         precheck_checkpoint(args["path"].strip(), args.get("best", "").strip() in ("true", "True", "1"))
 
 
-def add_our_tasks() -> None:
+def light_index_holds(manager, wanted: list[str]) -> bool:
+    """Whether an index built without lm_eval's own tasks (the caller's --include_path and TASKS_DIR) resolves every
+    requested name as the full one would: each is a task there (a task of an include path overrides a default of the
+    same name, so the full index gives the same one), or a tag of ours (attnzoo_niah: lm_eval's tasks carry none).
+    A group, another tag, a yaml path or a pattern may reach lm_eval's tasks: the full index decides those."""
+    ours = {t for e in manager._index.values() if e.yaml_path and Path(e.yaml_path).parent == TASKS_DIR
+            for t in (e.tags or ())}
+    for name in wanted:
+        entry = manager._index.get(name)
+        kind = getattr(getattr(entry, "kind", None), "name", None)  # lm_eval's Kind (a private module's enum)
+        if not (kind in ("TASK", "PY_TASK") or (kind == "TAG" and name in ours)):
+            return False
+    return True
+
+
+def add_our_tasks(wanted: list[str] | None = None) -> None:
     """lm_eval's CLI builds `lm_eval.tasks.TaskManager(include_path=<--include_path>)` (one folder in 0.4.13): in this
-    process it gets a TaskManager that also indexes TASKS_DIR, after the caller's own folder."""
+    process it gets a TaskManager that also indexes TASKS_DIR, after the caller's own folder. `wanted` (the --tasks
+    names): when the caller's folder and TASKS_DIR hold them all (light_index_holds), lm_eval's own ~15,000 task files
+    are not indexed (~10 s of every run on a 2-core machine); otherwise they are, as lm_eval does."""
     import lm_eval.tasks
 
-    base = lm_eval.tasks.TaskManager
-    if getattr(base, "attnzoo_tasks", False):
-        return
+    base = getattr(lm_eval.tasks.TaskManager, "attnzoo_base", lm_eval.tasks.TaskManager)
 
     class TaskManager(base):  # type: ignore[misc, valid-type]
-        attnzoo_tasks = True
+        attnzoo_base = base
 
         def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
             paths = ([] if include_path is None else
                      list(include_path) if isinstance(include_path, (list, tuple)) else [include_path])
-            super().__init__(verbosity, [*paths, str(TASKS_DIR)], include_defaults, metadata)
+            paths.append(str(TASKS_DIR))
+            if include_defaults and wanted:
+                super().__init__(verbosity, paths, False, metadata)
+                if light_index_holds(self, wanted):
+                    return
+            super().__init__(verbosity, paths, include_defaults, metadata)
 
     lm_eval.tasks.TaskManager = TaskManager
+
+
+def requested_tasks(argv: list[str]) -> list[str] | None:
+    """The names of `--tasks a,b` (None when not given)."""
+    value = option(argv, "--tasks")
+    return None if value is None else [t.strip() for t in value.split(",") if t.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         precheck(argv)
         register_lazily()
-        add_our_tasks()
+        add_our_tasks(requested_tasks(argv))
         from lm_eval.__main__ import cli_evaluate
 
         cli_evaluate()
