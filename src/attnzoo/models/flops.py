@@ -2,14 +2,19 @@
 
 Model FLOPs are analytic (a multiply-add = 2 FLOPs): each mixer's and FFN's `flops_per_token(context)`,
 plus the LM head `2 * d_model * vocab`. Training = 3x forward (backward = 2x forward).
-MFU = achieved model FLOP/s / peak FLOP/s, where the peak is a dense matmul measured in-process on CPU,
-or a table of dense (not 2:4-sparse) datasheet figures on GPU; `perf.peak_flops` overrides both.
+MFU = achieved model FLOP/s / peak FLOP/s, where the peak is a dense matmul measured on CPU (once per machine,
+torch version, thread count and dtype: kept in `<paths.cache_dir>/matmul_peak.json`), or a table of dense (not
+2:4-sparse) datasheet figures on GPU; `perf.peak_flops` overrides both.
 """
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -85,8 +90,62 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str = "cpu",
     return 2.0 * n**3 / best
 
 
-def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for one device."""
+PEAK_CACHE = "matmul_peak.json"
+
+
+def _processor_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a measured peak depends on: the device's name, torch's version, the thread count (CPU) and the dtype."""
+    if device.type == "cuda":
+        return f"cuda | {torch.cuda.get_device_name(device)} | torch {torch.__version__} | {_dtype_key(dtype)}"
+    return f"cpu | {_processor_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {_dtype_key(dtype)}"
+
+
+def cached_measurement(key: str, measure, cache_dir: str | os.PathLike | None) -> float:
+    """`measure()` once per key and cache folder: later runs (a sweep's jobs, DDP ranks, every test run) read the
+    first one's figure from `<cache_dir>/matmul_peak.json` instead of spending ~0.5 s on it each, and their MFUs
+    share one denominator. A missing or unreadable file is measured again (and rewritten: one file replace, so
+    ranks measuring at once leave one whole file). None: measured in this process only."""
+    if cache_dir is None:
+        return measure()
+    path = Path(cache_dir).expanduser() / PEAK_CACHE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table = table if isinstance(table, dict) else {}
+    try:
+        value = float(table[key]["flops"])
+        if value > 0 and value != float("inf"):  # NaN fails the first test
+            return value
+    except (ValueError, KeyError, TypeError):
+        pass
+    value = measure()
+    try:
+        table[key] = {"flops": value, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{PEAK_CACHE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder: measured, not kept
+        pass
+    return value
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float | None = None,
+               cache_dir: str | os.PathLike | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for one device. cache_dir: where a measured peak is kept (cached_measurement)."""
     if override:
         return float(override), "perf.peak_flops"
     device = torch.device(device)
@@ -94,8 +153,11 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, override: float |
         found = datasheet_peak(torch.cuda.get_device_name(device), dtype)
         if found is not None:
             return found
-        return measure_matmul_peak(dtype, str(device), n=4096), "measured-matmul"
-    return measure_matmul_peak(dtype, "cpu"), "measured-matmul"
+        n = 4096
+    else:
+        n = 1024
+    return cached_measurement(peak_key(device, dtype), lambda: measure_matmul_peak(dtype, str(device), n=n),
+                              cache_dir), "measured-matmul"
 
 
 def train_flops_per_token(model, context_len: int) -> float:

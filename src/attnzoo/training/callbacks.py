@@ -58,10 +58,11 @@ class ThroughputMonitor(L.Callback):
     """
 
     def __init__(self, context_len: int, compute_dtype: torch.dtype, peak_override: float | None = None,
-                 window: int = 10):
+                 window: int = 10, cache_dir: str | None = None):
         self.context_len = context_len
         self.compute_dtype = compute_dtype  # the peak is this dtype's (ops/dispatch.run_compute_dtype)
         self.peak_override = peak_override
+        self.cache_dir = cache_dir  # where a measured peak is kept (models/flops.cached_measurement)
         self.window = window
         self.peak = None
         self.peak_source = ""
@@ -87,7 +88,8 @@ class ThroughputMonitor(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         model = pl_module.model
         self.flops_per_token = train_flops_per_token(model, self.context_len)
-        self.peak, self.peak_source = peak_flops(pl_module.device, self.compute_dtype, self.peak_override)
+        self.peak, self.peak_source = peak_flops(pl_module.device, self.compute_dtype, self.peak_override,
+                                                    self.cache_dir)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._t0 is None:

@@ -92,7 +92,8 @@ def build_trainer(parts: dict, out: Path, loggers: list):
     run, data_cfg = parts["run"], parts["data"]
     cb_cfg = dict(parts["callbacks"] or {})
     ckpt_every = int(cb_cfg.get("checkpoint_every_n_steps") or 0) or run.trainer.val_check_interval
-    throughput = ThroughputMonitor(data_cfg.seq_len, run_compute_dtype(run.trainer)[0], run.perf.peak_flops)
+    throughput = ThroughputMonitor(data_cfg.seq_len, run_compute_dtype(run.trainer)[0], run.perf.peak_flops,
+                                   cache_dir=run.paths.cache_dir)
     csv_loggers = [lg for lg in loggers if isinstance(lg, ResumableCSVLogger)]
     callbacks = [
         DataPositionCallback(),  # first: the data position must be current when checkpoints are written
