@@ -71,3 +71,41 @@ def test_negative_warmup_is_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
         resolve_model({"d_model": 32, "n_heads": 4, "mixer": {"name": "dsa", "index_warmup_steps": -1}})
     assert str(e.value).startswith("model.layers[0].mixer.index_warmup_steps: must be >= 0"), str(e.value)
+
+
+def test_a_frozen_warmup_trains_the_indexers_alone(tmp_path, monkeypatch):
+    """index_warmup_freeze (the paper's stage 1): a 4-step run with index_warmup_steps=2 leaves every parameter but
+    the indexers' exactly as initialised through the two warm steps (each indexer parameter moves), and trains
+    everything from the third step on."""
+    from attnzoo.layers import aux_loss as hooks
+    from attnzoo.training import lit_lm
+    from attnzoo.training.run import train
+
+    snapshots = []
+    step, set_step = lit_lm.TrainingModule.optimizer_step, hooks.set_train_step
+
+    def first_batch(model, global_step):
+        if global_step == 0 and not snapshots:
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        set_step(model, global_step)
+
+    def after_step(self, *a, **kw):
+        step(self, *a, **kw)
+        snapshots.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+
+    monkeypatch.setattr(hooks, "set_train_step", first_batch)
+    monkeypatch.setattr(lit_lm.TrainingModule, "optimizer_step", after_step)
+    train(compose_cfg(["debug=smoke", "model/mixer=dsa", "model.mixer.index_warmup_steps=2",
+                       "model.mixer.index_warmup_freeze=true", "model.mixer.index_topk=4", "trainer.max_steps=4",
+                       "perf.decode_tokens=0"], tmp_path / "run"))
+    assert len(snapshots) == 5  # the initial weights and after each of the 4 steps
+    init = snapshots[0]
+    indexer = [n for n in init if ".indexer." in n]
+    assert indexer and len(indexer) < len(init)
+    for k in (1, 2):  # the warm steps
+        for n, p in snapshots[k].items():
+            moved = not torch.equal(p, init[n])
+            assert moved == (n in indexer), f"after step {k}: {n} {'moved' if moved else 'did not move'}"
+    rest = [n for n in init if n not in indexer and not torch.equal(snapshots[3][n], snapshots[2][n])]
+    assert len(rest) == len(init) - len(indexer), "the first sparse step trains the whole model"
+

@@ -4,7 +4,7 @@ A submodule may define any of: a tensor attribute `aux_loss` left by its last fo
 training loss), `stats() -> {name: tensor}` (logged, averaged over layers under one name), and
 `after_optimizer_step()` (called once per optimizer step, e.g. DeepSeek-V3's aux-loss-free bias) and
 `set_train_step(step)` (called before every training batch with the optimizer steps taken so far, e.g. DSA's dense
-warm-up).
+warm-up) and `trains_only() -> list of parameters or None` (this step updates only those: DSA's frozen warm-up).
 `DecoderLM`, the encoder-decoder and the LightningModules all use these, so no model family can
 forget one (the MoE loss silently absent from the loss).
 
@@ -74,3 +74,12 @@ def set_train_step(model: nn.Module, step: int) -> None:
     for m in _children(model):
         if callable(getattr(m, "set_train_step", None)):
             m.set_train_step(step)
+
+
+def trains_only(model: nn.Module) -> Optional[list]:
+    """The parameters the coming optimizer step may update when a submodule restricts it (the union of their
+    `trains_only()` lists, e.g. DSA's indexers during a frozen warm-up: the rest of the model, whatever family or
+    mixer, stays as it is), or None: every parameter trains."""
+    only = [m.trains_only() for m in _children(model) if callable(getattr(m, "trains_only", None))]
+    only = [ps for ps in only if ps is not None]
+    return None if not only else [p for ps in only for p in ps]

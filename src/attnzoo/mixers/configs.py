@@ -279,9 +279,11 @@ class DSAConfig(MLAConfig):
     # the indexer gets (its inputs are detached); 0 freezes it at its init
     index_loss_coef: float = 1.0
     # optimizer steps at the start of training with dense attention and the indexer's KL over every key (the paper's
-    # dense warm-up, Eq. 3, here with the rest of the model training too), then the top-k; validation and decoding
-    # always use the top-k. 0: sparse from the first step
+    # dense warm-up, Eq. 3), then the top-k; validation and decoding always use the top-k. 0: sparse from the first step
     index_warmup_steps: int = 0
+    # during those steps only the indexers train, the rest of the model frozen (the paper's stage 1, for a trained
+    # dense model); false: everything trains from the first step (a model trained from scratch learns the task then)
+    index_warmup_freeze: bool = False
 
     def sizes(self, model) -> dict:
         s = super().sizes(model)
@@ -305,6 +307,12 @@ class DSAConfig(MLAConfig):
         if not (math.isfinite(self.index_loss_coef) and self.index_loss_coef >= 0):
             raise ConfigError(f"must be >= 0 (0 = the indexer stays at its init), got {self.index_loss_coef}",
                               field=f"{field}.index_loss_coef")
+        if self.index_warmup_freeze and self.index_warmup_steps == 0:
+            raise ConfigError("true freezes the model during the dense warm-up, which index_warmup_steps=0 leaves out; "
+                              "allowed: false, or index_warmup_steps >= 1", field=f"{field}.index_warmup_freeze")
+        if self.index_warmup_freeze and self.index_loss_coef == 0:
+            raise ConfigError("true with index_loss_coef=0 trains nothing during the warm-up (the indexer learns only "
+                              "from its KL); allowed: false, or index_loss_coef > 0", field=f"{field}.index_warmup_freeze")
 
 
 

@@ -23,7 +23,9 @@ over queries (the paper sums) and logged as `dsa/indexer_kl`. index_loss_coef=0 
 (transformers runs its indexer under no_grad). `index_warmup_steps` N: the first N optimizer steps train dense
 (every visible key, the KL over all of them: the paper's warm-up stage), then the top-k applies; the trainer says
 the step before each batch (`set_train_step`, layers/aux_loss.py), so a resumed run continues where it was.
-Validation and decoding always use the top-k. The warm-up's frozen main model is not offered (everything trains).
+Validation and decoding always use the top-k. `index_warmup_freeze`: during the warm-up only the indexers train,
+the rest of the model frozen (the paper's stage 1; `trains_only`, layers/aux_loss.py, and the TrainingModule drops
+every other gradient before the optimizer step); without it everything trains from the first step.
 
 Forms: fast (dense index scores, the top-k as a boolean mask over MLA's SDPA; a one-token cached step gathers its
 k latents and attends over them only), reference (ops/dsa.dsa_attention_reference on the expanded K/V: each query
@@ -135,6 +137,10 @@ class DeepSeekSparseAttention(MLA):
     def set_train_step(self, step: int) -> None:
         """Before each training batch (layers/aux_loss.set_train_step): dense while step < index_warmup_steps."""
         self._warm = step < self.warmup_steps
+
+    def trains_only(self) -> Optional[list]:
+        """During a frozen warm-up, the step updates the indexer alone (layers/aux_loss.trains_only)."""
+        return list(self.indexer.parameters()) if self._warm and self.cfg.index_warmup_freeze else None
 
     # ------------------------------------------------------------------ the sparse attention
     def sparse_attend(self, q_nope, q_rope, latent, q_idx, k_idx, w, visible=None, step: bool = False):

@@ -136,12 +136,29 @@ class TrainingModule(L.LightningModule):
         """Submodules whose training depends on the step (DSA's dense warm-up) learn it before each batch."""
         hooks.set_train_step(self.model, self.global_step)
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """A step that submodules restrict (DSA's frozen warm-up: layers/aux_loss.trains_only) updates only their
+        parameters: every other gradient is dropped (None) before clipping and the step, so AdamW and Muon leave those
+        parameters, their weight decay and their optimizer state untouched. The gradients were still computed (and,
+        under DDP, reduced): the reducer expects one for every parameter."""
+        only = hooks.trains_only(self.model)
+        if only is not None:
+            keep = {id(p) for p in only}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in keep:
+                        p.grad = None
+        self._frozen_step = only is not None
+
     def optimizer_step(self, *args, **kwargs) -> None:
         """After each optimizer step (not each micro-batch), let submodules update their own state (MoE
         aux-loss-free bias). Done here rather than in on_train_batch_end so the update lands *before* the
-        checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use."""
+        checkpoint callbacks of the same step: a checkpoint then holds the bias the next step will use. Not after a
+        restricted step (on_before_optimizer_step): a frozen model keeps its state too."""
+        self._frozen_step = False
         super().optimizer_step(*args, **kwargs)
-        hooks.after_optimizer_step(self.model)
+        if not self._frozen_step:
+            hooks.after_optimizer_step(self.model)
 
     def configure_model(self) -> None:
         """trainer.strategy=fsdp: shard the model in place (training/fsdp.py), once; nothing for other strategies."""
