@@ -366,7 +366,7 @@ def test_wandb_with_a_key_but_no_server_falls_back_to_offline_quickly(tmp_path, 
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     t0 = time.time()
-    lg = make_wandb_logger({"init_timeout": 5}, tmp_path, {"model": {"mixer": {"name": "gqa"}}})
+    lg = make_wandb_logger({"init_timeout": 2}, tmp_path, {"model": {"mixer": {"name": "gqa"}}})
     took = time.time() - t0
     out = capfd.readouterr().out
     assert lg is not None and "logging offline instead" in out and "wandb offline run in" in out, out
