@@ -168,7 +168,9 @@ from attnzoo.cli import ckpt, data, export
 from attnzoo.bench.cli import main as bench
 from attnzoo.inference.commands import eval_main, generate_main
 from attnzoo.inference.lm_eval_cli import main as lm_eval
+from attnzoo.analysis.report.cli import main as report
 cases = [
+    (report, [str(tmp / "none")], "attnzoo-report: error: "),
     (generate_main, [str(tmp / "none"), "hi"], "attnzoo-generate: error: checkpoint: "),
     (generate_main, [str(tmp / "bad.ckpt"), "hi"], "attnzoo-generate: error: checkpoint: "),
     (generate_main, [str(tmp / "bad.ckpt"), "hi", "--top-p", "1.5"], "attnzoo-generate: error: --top-p: "),
@@ -198,7 +200,8 @@ for main, argv, start in cases:
     refused.append(code == 2 and len(lines) == 1 and lines[0].startswith(start) or [argv, code, lines])
 for main, argv in [(generate_main, ["--help"]), (eval_main, ["--help"]), (ckpt.main, ["--help"]),
                    (export.main, ["--help"]), (data.main, ["prepare", "--help"]), (bench, ["--help"]),
-                   (bench, ["decode", "--help"]), (bench, ["train", "--help"]), (lm_eval, ["--help"])]:
+                   (bench, ["decode", "--help"]), (bench, ["train", "--help"]), (lm_eval, ["--help"]),
+                   (report, ["--help"])]:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
             main(argv)
@@ -210,7 +213,7 @@ print(json.dumps({"refused": refused, "torch": "torch" in sys.modules, "lightnin
 
 def test_every_console_script_refuses_and_helps_without_torch(tmp_path):
     """Issue 45 item 1 beyond attnzoo-train: a missing or truncated checkpoint, a bad flag, a path under a file, a
-    missing source, for attnzoo-generate / -eval / -ckpt / -export / -data / -bench / -lm-eval, each refused in
+    missing source, for attnzoo-generate / -eval / -ckpt / -export / -data / -bench / -lm-eval / -report, each refused in
     its one line, and their --help texts, in one process that never imports torch or Lightning (the command
     lines are checked before the work's modules are imported: inference/commands.py, cli/*.py, bench/cli.py,
     inference/lm_eval_cli.py)."""
@@ -219,4 +222,4 @@ def test_every_console_script_refuses_and_helps_without_torch(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"refused": [True] * 23, "torch": False, "lightning": False}, got
+    assert got == {"refused": [True] * 25, "torch": False, "lightning": False}, got

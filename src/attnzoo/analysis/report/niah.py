@@ -9,7 +9,6 @@ import html
 import json
 from pathlib import Path
 
-from attnzoo.analysis.niah import heatmap
 
 
 def study(best: list[dict]) -> dict | None:
@@ -38,6 +37,8 @@ def png_name(grids: dict, task: str) -> str:
 def draw(grids: dict, plots_dir: Path) -> dict:
     """Per task one figure, a panel per variant (four to a row, titled by the swept values alone): needle depth x
     context length, accuracy 0-1 on one colour scale. {file name: path}."""
+    from attnzoo.analysis.niah import heatmap  # torch with it: not on the path of `attnzoo-report --help`
+
     out = {}
     for task, variants in grids.items():
         what = ("val/acc on the needle's value" if task == "needle" else "string_match_all")
