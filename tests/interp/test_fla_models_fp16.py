@@ -22,11 +22,21 @@ def fwd_bwd(model: DecoderLM, batch: torch.Tensor, autocast_dtype=None) -> dict:
                                                if p.grad is not None}}
 
 
+def module_of(name: str) -> str:
+    """The module a gradient belongs to, the mixer as one: `blocks.0.mixer.qkv.weight` and `blocks.0.mixer.A_log`
+    -> `blocks.0.mixer`; `blocks.0.ffn.down.weight` -> `blocks.0.ffn.down`."""
+    return name.split(".mixer.")[0] + ".mixer" if ".mixer." in name else name.rsplit(".", 1)[0]
+
+
 @pytest.mark.parametrize("case", [c for c in MIXERS if c not in NO_FP16_MODEL] + list(FP16_ONLY))
 def test_fp16_forward_and_backward_equal_torch(case, monkeypatch):
     """Under fp16 autocast the fla path (kernels in fp16) against the fp64 torch path: the loss and every
-    parameter's gradient within FP16_FACTOR x the torch path's own error under the same autocast (at least one
-    fp16 rounding of the tensor's size)."""
+    parameter's gradient within FP16_FACTOR x the torch path's own error under the same autocast, at least one
+    fp16 rounding of the tensor's size, and at least the torch path's largest relative error over the tensors of
+    the same module (the mixer as one). The last: a per-head gate parameter (A_log, dt_bias: 2 elements here) sums
+    a cancelling per-token gradient over every token, computed in fp16 by the kernels and in fp32 by the torch
+    path's op; its own 2-element error under-estimates the precision of that path (gated_deltaproduct's dt_bias on
+    an AVX-512 Xeon: 8.5x its own, 0.37x the mixer's); a wrong gate gradient is off by about its size, ~70x that."""
     batch = batches(1)[0]
     ref = fwd_bwd(build(case, "torch", torch.float64), batch)
     base = fwd_bwd(build(case, "torch"), batch, torch.float16)
@@ -34,9 +44,14 @@ def test_fp16_forward_and_backward_equal_torch(case, monkeypatch):
     got = fwd_bwd(build(case, "fla"), batch, torch.float16)
     assert calls, "the fla path did not run"
     assert set(got) == set(ref)
+    size = {name: ref[name].abs().max().item() for name in ref}
+    own = {name: (base[name] - ref[name]).abs().max().item() for name in ref}
+    rel: dict = {}
     for name in ref:
-        size = ref[name].abs().max().item()
-        tol = FP16_FACTOR * max((base[name] - ref[name]).abs().max().item(), 2.0 ** -11 * size)
+        if size[name] > 0:
+            rel[module_of(name)] = max(rel.get(module_of(name), 0.0), own[name] / size[name])
+    for name in ref:
+        tol = FP16_FACTOR * max(own[name], 2.0 ** -11 * size[name], rel.get(module_of(name), 0.0) * size[name])
         err = (got[name] - ref[name]).abs().max().item()
         assert err <= tol, f"{case} {name}: off by {err:.3g} > {tol:.3g}"
 
