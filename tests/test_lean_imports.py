@@ -69,6 +69,10 @@ REFUSED_EARLY = [  # refused from the config alone, where the exact answer needs
     (["trainer.max_flops=1000"], "trainer.max_flops: 1000 is below one optimizer step (at least"),
     (["model/ffn=none", "+model_budget={params: 10}"], "model_budget.params: 10 parameters is out of reach"),
 ]
+REFUSED_PREFLIGHT = [  # refused by preflight in the data's own tokens: the corpus's tokenizer, loaded without torch
+    (["data.max_chars=300000", "data.tokenizer=char", "eval.niah_tasks=[passkey]", "eval.context_lengths=[48]"],
+     "eval.niah_tasks: passkey's question and needles alone take"),
+]
 VALIDATE_PROBE = f"""
 import json, sys
 from pathlib import Path
@@ -77,7 +81,7 @@ from attnzoo.config.errors import ConfigError
 from attnzoo.config.paths import CONF_DIR
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.machine import no_cuda_reason
-from attnzoo.training.config_checks import check_devices_present, check_kernels_present, validate
+from attnzoo.training.config_checks import check_devices_present, check_kernels_present, preflight, validate
 from attnzoo.distributed.checkpoint_files import check_checkpoint_file
 tmp = Path(sys.argv[1])
 every = "model.pattern=[" + ",".join(MIXERS.names()) + "]"
@@ -103,6 +107,13 @@ with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             validate(cfg)
         except ConfigError as e:
             checked += str(e).startswith(start)
+    for i, (extra, start) in enumerate({REFUSED_PREFLIGHT!r}):
+        cfg = compose("train", overrides=["debug=smoke", f"paths.output_dir={{tmp}}/pre{{i}}",
+                                          f"paths.cache_dir={{tmp}}/cache", *extra])
+        try:
+            preflight(cfg)
+        except ConfigError as e:
+            checked += str(e).startswith(start)
 (tmp / "bad.ckpt").write_bytes(b"PK truncated")
 try:
     check_checkpoint_file(tmp / "bad.ckpt")
@@ -118,17 +129,19 @@ print(json.dumps({{"checked": checked, "refused_here": len({REFUSED_HERE!r}) if 
 
 def test_config_checks_import_neither_torch_nor_lightning(tmp_path):
     """What a refused value costs (issue 45 item 1): `validate()` of configs that reach every mixer (one pattern of
-    all of them, with a KV format), the data modules, the model families and the trainer presets, and the
-    checkpoint file's check, and (on a machine without CUDA) the GPU presets and fla / flex kernels refused by what
-    config/machine.py reads without torch, in one process that imports neither torch nor Lightning (the config dataclasses and
-    what the checks ask of a class are declared torch-free: mixers/configs.py, layers/ffn_configs.py,
-    data/configs.py). Then the whole zoo imported leaves torch._dynamo out (~2 s on a 2-core machine)."""
+    all of them, with a KV format), the data modules, the model families and the trainer presets, the checkpoint
+    file's check, preflight's refusals in the corpus's own tokens (the end-of-run needle prompts), and (on a machine
+    without CUDA) the GPU presets and fla / flex kernels refused by what config/machine.py reads without torch, in
+    one process that imports neither torch nor Lightning (the config dataclasses and what the checks ask of a class
+    are declared torch-free: mixers/configs.py, layers/ffn_configs.py, data/configs.py). Then the whole zoo
+    imported leaves torch._dynamo out (~2 s on a 2-core machine)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "ATTNZOO_FULL_IMPORTS"}
     out = subprocess.run([sys.executable, "-c", VALIDATE_PROBE, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"checked": len(VALIDATED) + 2 + len(REFUSED_EARLY) + got["refused_here"], "refused_here": got["refused_here"],
+    checked = len(VALIDATED) + 2 + len(REFUSED_EARLY) + len(REFUSED_PREFLIGHT) + got["refused_here"]
+    assert got == {"checked": checked, "refused_here": got["refused_here"],
                    "torch": False, "lightning": False, "dynamo": False}, got
 
 

@@ -72,14 +72,15 @@ class TextDataConfig:
 
     SMALL_CORPUS_BYTES: ClassVar[int] = 1 << 16  # encoded in a few ms: check_corpus counts its tokens
 
-    def check_corpus(self, cache_dir: str) -> None:
+    def check_corpus(self, cache_dir: str):
         """The refusals of TextDataModule.setup that need the corpus and its tokenizer, made without torch for
         `preflight` (issue 45): a BPE vocabulary the corpus cannot support (the tokenizer is trained and cached as
         setup would: setup then loads it), and a corpus too short for seq_len, encoded here when it is small (64 KiB) or
         even one token per byte would be too few (either way it takes milliseconds; otherwise setup counts). A tokenizer file and
-        document layouts (packing, pad_documents) are left to setup."""
+        document layouts (packing, pad_documents) are left to setup. Returns the tokenizer (None for a file), for
+        preflight's other checks in the data's tokens (the end-of-run needle prompts)."""
         if self.tokenizer == "file":
-            return
+            return None
         from pathlib import Path
 
         from attnzoo.data.corpus import load_corpus, text_sha
@@ -96,6 +97,7 @@ class TextDataConfig:
             n = len(tok.encode_long(text) if hasattr(tok, "encode_long") else tok.encode(text))
             if too_few(self, n):
                 raise length_refusal(self, n)
+        return tok
 
 
 

@@ -23,7 +23,7 @@ from attnzoo.ops.triton_interpreter import interpreting
 from attnzoo.config.registry import MIXERS
 from attnzoo.config.stops import tokens_per_step
 from attnzoo.training.budget import check_budget, check_budget_floor
-from attnzoo.training.eval_checks import check_niah
+from attnzoo.training.eval_checks import check_niah, check_niah_prompts, niah_haystack
 from attnzoo.training.families import check_data, family_of
 from attnzoo.training.launch import is_data_parallel, requested_devices
 from attnzoo.training.recipe_checks import check_checkpoints, check_optim, check_scheduler, run_checkpoint
@@ -485,4 +485,6 @@ def preflight(cfg: DictConfig) -> None:
     check_launchable(parts["run"].trainer)
     check_kernels_present(parts)
     if hasattr(parts["data"], "check_corpus"):  # the text corpus against its tokenizer (data/configs.py)
-        parts["data"].check_corpus(run.paths.cache_dir)
+        tok = parts["data"].check_corpus(run.paths.cache_dir)
+        if tok is not None and run.eval.niah_tasks:  # the end-of-run needle prompts fit a length, in its tokens
+            check_niah_prompts(run.eval, parts["data"], tok.encode, niah_haystack(parts["data"])[0])

@@ -1,6 +1,7 @@
 """The end-of-run needle-in-a-haystack grid's settings (eval.niah_depths / niah_tasks / niah_samples; training/measure.py
 niah_at_the_end), checked before any work, torch-free: `check_niah` from the composed config, `check_niah_prompts`
-once the data module has its tokenizer (a length too short for a task's question and needles)."""
+with the data's tokenizer (a length too short for a task's question and needles: preflight, with the tokenizer
+check_corpus loads, and train() again once the data module has it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -39,6 +40,13 @@ def check_niah(ev, model, data: Any) -> None:
               f"got {depths}; allowed: fractions of the haystack in [0, 1], e.g. [0, 0.5, 1]")
         check(ev.niah_samples is None or ev.niah_samples >= 1, "eval.niah_samples",
               f"must be >= 1 or null, got {ev.niah_samples}")
+
+
+def niah_haystack(data_cfg) -> tuple[str, str]:
+    """(the text haystack, where it came from): the run's corpus (data.path; the embedded one for null)."""
+    from attnzoo.data.corpus import load_corpus
+
+    return load_corpus(data_cfg.path, 1 << 22)
 
 
 def check_niah_prompts(ev, data: Any, encode, text: str) -> dict:

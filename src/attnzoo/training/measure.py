@@ -117,7 +117,7 @@ def niah_at_the_end(lit, dm, data_cfg, run) -> dict:
     from pathlib import Path
 
     from attnzoo.analysis.niah import needle_cells, text_cells, write
-    from attnzoo.training.eval_checks import TEXT_DEPTHS, check_niah_prompts, niah_lengths
+    from attnzoo.training.eval_checks import TEXT_DEPTHS, check_niah_prompts, niah_haystack, niah_lengths
 
     lengths = niah_lengths(run.eval, data_cfg)
     out = Path(run.paths.output_dir) / "niah.json"
@@ -149,9 +149,3 @@ def niah_at_the_end(lit, dm, data_cfg, run) -> dict:
            **({"too_short": short} if short else {}), **grid}, out)
     return {f"niah/{t}@{L}@{d}": v for t, ls in grid["accuracy"].items() for L, ds in ls.items() for d, v in ds.items()}
 
-
-def niah_haystack(data_cfg) -> tuple[str, str]:
-    """(the text haystack, where it came from): the run's corpus (data.path; the embedded one for null)."""
-    from attnzoo.data.corpus import load_corpus
-
-    return load_corpus(data_cfg.path, 1 << 22)

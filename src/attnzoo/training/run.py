@@ -26,8 +26,8 @@ from attnzoo.training.config_checks import check_devices_present, validate
 from attnzoo.training.console import ConsoleLog
 from attnzoo.training.launch import check_launchable, launch_workers, processes_to_launch, warm_workers
 from attnzoo.training.linearize import apply_linearize
-from attnzoo.training.eval_checks import check_niah_prompts
-from attnzoo.training.measure import final_metrics, niah_haystack
+from attnzoo.training.eval_checks import check_niah_prompts, niah_haystack
+from attnzoo.training.measure import final_metrics
 from attnzoo.training.recipe_checks import run_checkpoint
 from attnzoo.training.rundir import run_dir_lock
 from attnzoo.training.summary import finish, run_summary
