@@ -493,6 +493,7 @@ def test_disk_full_during_the_run_is_one_line(tmp_path, monkeypatch):
     naming the file and how to resume, no traceback, no temp file left behind."""
     import os
     import tempfile
+    import types
 
     import attnzoo.training.checkpoint_io as cio
 
@@ -504,7 +505,10 @@ def test_disk_full_during_the_run_is_one_line(tmp_path, monkeypatch):
         made.append(tmp)
         return os.open("/dev/full", os.O_WRONLY), tmp
 
-    monkeypatch.setattr(cio.tempfile, "mkstemp", onto_dev_full)
+    # checkpoint_io's own tempfile only: the data's caches (tokenizer, token ids) write through tempfile.mkstemp too,
+    # and on a cold cache a patched module made the tokenizer's write fail first (order-dependent: passed once
+    # another test had filled the cache)
+    monkeypatch.setattr(cio, "tempfile", types.SimpleNamespace(mkstemp=onto_dev_full))
     monkeypatch.setattr(cio, "free_bytes", lambda folder: 1 << 20)  # what the filled disk has left
     with pytest.raises(ConfigError, match=r"^paths.output_dir: no space left writing .*\.ckpt \(No space left on "
                        r"device\); no checkpoint was complete yet; allowed: free space, then start the run again$") as e:
