@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         precheck(argv)
         register_lazily()
-        add_our_tasks(requested_tasks(argv))
+        if not {"-h", "--help"} & set(argv):  # argparse answers a help before any task is looked up: lm_eval.tasks
+            add_our_tasks(requested_tasks(argv))  # (datasets, pandas: ~0.8 s) is imported for a run only
         from lm_eval.__main__ import cli_evaluate
 
         cli_evaluate()
