@@ -77,7 +77,7 @@ def _step(lit, opt, batch, device) -> tuple[float, float]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync(device)
-    return time.perf_counter() - t0, float(loss)
+    return time.perf_counter() - t0, float(loss.detach())
 
 
 def _interleaved(runs: dict, device) -> dict:
