@@ -475,12 +475,15 @@ def test_several_loggers_at_once(tmp_path):
 
 def test_low_disk_is_refused_before_work(tmp_path, monkeypatch):
     import shutil
+    import types
     from collections import namedtuple
 
     import attnzoo.training.config_checks as v
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(v.shutil, "disk_usage", lambda p: usage(10 << 30, (10 << 30) - (5 << 20), 5 << 20))
+    # config_checks' own shutil only (the disk-full test below: a process-wide patch made the test order matter)
+    monkeypatch.setattr(v, "shutil", types.SimpleNamespace(
+        disk_usage=lambda p: usage(10 << 30, (10 << 30) - (5 << 20), 5 << 20)))
     with pytest.raises(ConfigError, match=r"^paths.output_dir: .*only 5.0 MiB free .* allowed: >= 64 MiB free") as e:
         train(compose_cfg(FAST, tmp_path / "run"))
     assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
