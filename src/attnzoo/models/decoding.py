@@ -25,6 +25,7 @@ cache, eager (`Decoder.path` says which, and why).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import types
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from attnzoo.config.errors import ConfigError
 from attnzoo.models.decoder import filtered_logits
 
 log = logging.getLogger(__name__)
+DECODE_WINDOWS = 4  # decode_rate: its timed steps in this many windows, the median window's rate reported
 
 
 @dataclass
@@ -207,9 +209,10 @@ class Decoder:
     def decode_rate(self, prompt: list, steps: int) -> dict:
         """Greedy decode timing: prefill `prompt` into every row, `untimed_steps` untimed steps (the compile on the
         first; on CUDA also the second, which records the CUDA graph under mode="reduce-overhead"), then `steps`
-        timed steps of all rows (max_len must hold len(prompt) + steps + 2). Returns tokens/s (rows x steps /
-        seconds) and the cache bytes after the prefill: filled (= the analytic cache_bytes) and allocated (a static
-        cache's buffers)."""
+        timed steps of all rows (max_len must hold len(prompt) + steps + 2), in DECODE_WINDOWS consecutive windows
+        (fewer when steps are fewer). Returns tokens/s, the median of the windows' rates (rows x window steps /
+        window seconds: one stall of the machine in a ~0.1 s measurement halved a run's figure, 2026-12-07), and the
+        cache bytes after the prefill: filled (= the analytic cache_bytes) and allocated (a static cache's buffers)."""
         nxt = self.prefill([prompt] * self.batch).argmax(-1, keepdim=True)
         if self.cache is None:
             filled = allocated = sum(c.nbytes() for c in self.rows)
@@ -219,12 +222,17 @@ class Decoder:
             nxt = self._step(nxt, None, None, None, None)[0]
         sync = torch.cuda.synchronize if nxt.is_cuda else (lambda: None)
         sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = self._step(nxt, None, None, None, None)[0]
-        sync()
-        return {"tokens_per_sec": self.batch * steps / (time.perf_counter() - t0), "filled_bytes": filled,
-                "allocated_bytes": allocated}
+        rates = []
+        k = min(DECODE_WINDOWS, steps)
+        for w in range(k):  # window sizes differ by at most one step; a sync at each window's end only
+            n = steps // k + (w < steps % k)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                nxt = self._step(nxt, None, None, None, None)[0]
+            sync()
+            rates.append(self.batch * n / (time.perf_counter() - t0))
+        return {"tokens_per_sec": statistics.median(rates) if rates else 0.0,  # steps=0: nothing timed, as before
+                "filled_bytes": filled, "allocated_bytes": allocated}
 
     def check(self, prompts: list, max_new_tokens: int, stop, decode) -> None:
         """Before any work: 1 .. batch prompts, none empty, each with its new tokens inside max_len (and a learned
