@@ -380,3 +380,19 @@ def test_learned_positions_and_a_routed_ffn_compile_to_one_graph():
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     assert dec.generate(prompts, 10).tokens == Decoder(m, 2, 40, compile=False).generate(prompts, 10).tokens
     assert len(graphs) == 1
+
+
+def test_the_decode_rate_is_the_median_window_so_one_stall_does_not_halve_it(monkeypatch):
+    """Decoder.decode_rate times its steps in 4 windows and reports the median window's rate: with a clock on which
+    one window of 8 steps stalls (1 s instead of 10 ms), the rate is the other windows' 800 tokens/s (one window
+    over all 32 steps: ~31); 0 steps time nothing and report 0, as before."""
+    import types
+
+    from attnzoo.models import decoding
+
+    ticks = iter([0.0, 0.01, 0.01, 0.02, 0.02, 1.02, 1.02, 1.03])
+    monkeypatch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    dec = Decoder(build({"name": "gqa"}), batch=1, max_len=48, compile=False)
+    assert dec.decode_rate([1, 2, 3], 32)["tokens_per_sec"] == pytest.approx(800.0)
+    assert next(ticks, None) is None  # two clock reads a window, four windows
+    assert dec.decode_rate([1, 2, 3], 0)["tokens_per_sec"] == 0.0
