@@ -250,9 +250,10 @@ SLOW_TESTS = (
 
 def pytest_collection_modifyitems(config, items):
     """Marks the slow tests. The order stays the collection's (file order): each xdist worker (worksteal) takes a
-    contiguous half of it and steals from the other's queue at the end. Running each share's slow tests first (2026-12-07) put the
-    process-heavy tests of both workers side by side at the start; measured on one host, idle, cold caches: file
-    order 7 min 59 s and 7 min 50 s in random order, against 8 min 18 s and 8 min 20 s slow-first (docs/testing.md)."""
+    contiguous half of it and steals from the other's queue at the end. Running each share's slow tests first
+    (2026-12-07) put the process-heavy tests of both workers side by side at the start; measured on one host, idle,
+    cold caches: file order 7 min 59 s and 7 min 50 s in random order, against 8 min 18 s and 8 min 20 s slow-first
+    (docs/testing.md)."""
     for item in items:
         path = Path(str(item.fspath))
         if path.stem in E2E_FILES or f"{path.name}::{item.name}".startswith(SLOW_TESTS):
